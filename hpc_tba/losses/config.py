@@ -1,9 +1,18 @@
-"""Typed configuration of the training objective (`algo=` group)."""
+"""Typed configuration of the training objective (`algo=` group).
+
+One flat dataclass for all objectives, mirrored by `configs/algo/<name>.yaml`; fields used by one
+objective only carry its name as a prefix. Defaults are TBA's GSM8K run; each yaml sets its paper's
+defaults (ALGORITHMS.md).
+"""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 ALGOS = ("tb", "topr", "alol", "grpo", "rloo", "dpo", "sft")
+TB_LOGZ = ("vargrad", "learned")
+ALOL_VARIANTS = ("a_lol", "ref_free", "seq", "kl", "r_lol")
+DPO_PAIRINGS = ("best_worst", "all")
 
 
 @dataclasses.dataclass
@@ -18,6 +27,47 @@ class LossConfig:
     """TB: β reached at the end of the linear schedule."""
     beta_steps: int = 500
     """TB: learner updates over which β goes linearly from beta0 to beta_final."""
+    tb_logz: str = "vargrad"
+    """TB: 'vargrad' (per-prompt batch estimate, the paper's) or 'learned' (learner owns logZ)."""
+
+    topr_baseline: float = 0.0
+    """TOPR: baseline c subtracted from rewards (R − c); sets the effective positive fraction."""
+    topr_pos_min: float = 1.0
+    """TOPR: lower clip of the importance ratio for samples with reward >= 0 (TOPR: 1)."""
+    topr_pos_max: float = 1.0
+    """TOPR: upper clip of the ratio for reward >= 0 (TOPR: 1 = plain SFT on positives)."""
+    topr_neg_min: float = 0.0
+    """TOPR: lower clip of the ratio for reward < 0 (TOPR: 0)."""
+    topr_neg_max: float = 1.0
+    """TOPR: upper clip of the ratio for reward < 0 (TOPR: 1 = truncated IS, tapers to 0)."""
+    topr_length_normalize: bool = True
+    """TOPR: divide each sample's loss by its response length |y|."""
+    topr_positive_threshold: float = 0.0
+    """TOPR: rewards >= this are positives (0 for ±1 rewards; 0.5 with baseline 0.5 for 0/1 rewards)."""
+
+    alol_variant: str = "a_lol"
+    """A-LoL: one of a_lol, ref_free, seq, kl, r_lol (ALGORITHMS.md §3)."""
+    alol_clip_eps: float = 0.9
+    """A-LoL: importance weights clipped to [1 − ε, 1 + ε] (0.9 gives [0.1, 1.9])."""
+    alol_kl_beta: float = 0.0
+    """A-LoL KL variant: coefficient of (log π_θ − log π_ref); must be > 0 for variant=kl."""
+
+    grpo_clip_eps: float = 0.2
+    """GRPO: PPO clip range of the per-token ratio to the behaviour policy."""
+    grpo_scale_std: bool = True
+    """GRPO: divide group-centred rewards by the group std (False = Dr. GRPO's centring only)."""
+    kl_coef: float = 0.0
+    """GRPO/RLOO: weight of the KL penalty to the reference (0 = no reference model needed)."""
+
+    dpo_beta: float = 0.1
+    """DPO: inverse temperature of the implicit reward β·(log π_θ − log π_ref)."""
+    dpo_pairing: str = "best_worst"
+    """DPO: pairs per prompt group: 'best_worst' (one pair) or 'all' (every higher/lower pair)."""
+
+    sft_min_reward: float = 0.0
+    """SFT (rejection sampling): train on samples with reward > this (-inf keeps every sample)."""
+    length_normalize: bool = False
+    """RLOO/SFT: divide each sample's summed log-prob by its length (False: sum, as RLOO's paper)."""
 
     def __post_init__(self) -> None:
         if self.name not in ALGOS:
@@ -26,11 +76,47 @@ class LossConfig:
             raise ValueError("algo.beta0 and algo.beta_final must be > 0 (β divides the reward)")
         if self.beta_steps < 0:
             raise ValueError("algo.beta_steps must be >= 0")
+        if self.tb_logz not in TB_LOGZ:
+            raise ValueError(f"algo.tb_logz={self.tb_logz!r} is not one of {', '.join(TB_LOGZ)}")
+        for kind in ("pos", "neg"):
+            lo, hi = getattr(self, f"topr_{kind}_min"), getattr(self, f"topr_{kind}_max")
+            if not (0.0 <= lo <= hi) or math.isnan(hi):
+                raise ValueError(f"algo.topr_{kind}_min/max must satisfy 0 <= min <= max (got {lo}, {hi}); "
+                                 "they clip an importance ratio")
+        if self.alol_variant not in ALOL_VARIANTS:
+            raise ValueError(f"algo.alol_variant={self.alol_variant!r} is not one of {', '.join(ALOL_VARIANTS)}")
+        if not 0.0 <= self.alol_clip_eps < 1.0:
+            raise ValueError(f"algo.alol_clip_eps must be in [0, 1) so weights stay positive, got {self.alol_clip_eps}")
+        if self.alol_kl_beta < 0:
+            raise ValueError("algo.alol_kl_beta must be >= 0")
+        if self.name == "alol" and self.alol_variant == "kl" and self.alol_kl_beta <= 0:
+            raise ValueError("algo.alol_variant=kl needs algo.alol_kl_beta > 0 (else it is ref_free on A+)")
+        if not 0.0 < self.grpo_clip_eps < 1.0:
+            raise ValueError(f"algo.grpo_clip_eps must be in (0, 1), got {self.grpo_clip_eps}")
+        if self.kl_coef < 0:
+            raise ValueError("algo.kl_coef must be >= 0")
+        if self.dpo_beta <= 0:
+            raise ValueError("algo.dpo_beta must be > 0")
+        if self.dpo_pairing not in DPO_PAIRINGS:
+            raise ValueError(f"algo.dpo_pairing={self.dpo_pairing!r} is not one of {', '.join(DPO_PAIRINGS)}")
+        if math.isnan(self.sft_min_reward):
+            raise ValueError("algo.sft_min_reward must be a number (use -inf to keep every sample)")
 
     @property
     def needs_reference(self) -> bool:
         """Whether the learner must compute log-probs under the frozen reference policy."""
-        return self.name in ("tb", "alol", "grpo", "dpo")
+        if self.name in ("tb", "dpo"):
+            return True
+        if self.name == "alol":
+            return self.alol_variant != "ref_free"
+        if self.name in ("grpo", "rloo"):
+            return self.kl_coef > 0
+        return False  # topr, sft
+
+    @property
+    def needs_advantages(self) -> bool:
+        """Whether samples must carry a precomputed advantage A = R − V(x) (A-LoL, except R-LoL)."""
+        return self.name == "alol" and self.alol_variant != "r_lol"
 
     def beta(self, step: int) -> float:
         """β at learner step `step`: linear from beta0 to beta_final over beta_steps, then constant."""
