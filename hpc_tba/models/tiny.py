@@ -1,0 +1,154 @@
+"""The embedded policy: a tiny Llama and a character-level tokenizer, built and warm-started locally.
+
+Nothing is downloaded. The tokenizer is a BPE model trained on the task's own alphabet with no
+merges (so one character = one token: arithmetic wants digit-level tokens), saved as a Hugging
+Face `tokenizer.json`; the model is a 2-layer Llama with head_dim 64 (vLLM's CPU attention needs
+>= 64). A short supervised warm start on train prompts makes the starting policy partly right,
+as the papers start RL from an SFT model. Everything is deterministic given the seeds, built
+once, and cached under `model.cache_dir/<hash of the configs>`, with a file lock so that several
+ranks can ask for it at once.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from hpc_tba.models.config import ModelConfig
+from hpc_tba.tasks import TaskConfig, build_task
+from hpc_tba.tasks.base import Prompt
+
+SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
+PAD, BOS, EOS = 0, 1, 2
+ALPHABET = list("0123456789+-*=() ")
+_BUILD_VERSION = 2  # bump when the recipe below changes, to invalidate caches
+
+
+def embedded_model_dir(model: ModelConfig, task: TaskConfig) -> Path:
+    """Directory of the embedded model for these configs (built on first use)."""
+    key = json.dumps([_BUILD_VERSION, dataclasses.asdict(model), dataclasses.asdict(task)],
+                     sort_keys=True)
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    return Path(os.path.expanduser(model.cache_dir)) / f"tiny-llama-{digest}"
+
+
+def resolve_model_path(model: ModelConfig, task: TaskConfig) -> str:
+    """The Hugging Face directory to load: a user's local path, or the embedded model (built)."""
+    if model.path != "embedded":
+        path = Path(os.path.expanduser(model.path))
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"model.path={model.path!r} is not a Hugging Face model "
+                                    "directory (no config.json there)")
+        return str(path)
+    return str(ensure_embedded_model(model, task))
+
+
+def ensure_embedded_model(model: ModelConfig, task: TaskConfig) -> Path:
+    from filelock import FileLock
+
+    out = embedded_model_dir(model, task)
+    if (out / "DONE").is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(out) + ".lock"):
+        if (out / "DONE").is_file():
+            return out
+        tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=out.name + ".tmp"))
+        try:
+            _build(model, task, tmp)
+            (tmp / "DONE").write_text("ok\n")
+            if out.exists():
+                shutil.rmtree(out)
+            os.replace(tmp, out)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def build_tokenizer():
+    """Character-level tokenizer trained locally (BPE with no merges), in HF fast format."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    trainer = trainers.BpeTrainer(vocab_size=len(SPECIALS) + len(ALPHABET), special_tokens=SPECIALS,
+                                  initial_alphabet=ALPHABET, show_progress=False)
+    tok.train_from_iterator(["".join(ALPHABET)], trainer=trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", BOS)])
+    assert [tok.token_to_id(s) for s in SPECIALS[:3]] == [PAD, BOS, EOS]
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   pad_token="<pad>", unk_token="<unk>")
+
+
+def _build(model: ModelConfig, task_cfg: TaskConfig, out: Path) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(model.seed)
+    tokenizer = build_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=model.hidden_size,
+        intermediate_size=2 * model.hidden_size, num_hidden_layers=model.num_layers,
+        num_attention_heads=model.num_heads, num_key_value_heads=model.num_heads,
+        max_position_embeddings=128, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD,
+        tie_word_embeddings=False, torch_dtype="float32")
+    policy = LlamaForCausalLM(config)
+    task = build_task(task_cfg)
+    accuracy = supervised_warm_start(policy, tokenizer, task.prompts("train"),
+                                     steps=model.sft_steps, seed=model.seed)
+    policy.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    (out / "warm_start.json").write_text(json.dumps({"sft_steps": model.sft_steps,
+                                                     "train_token_accuracy": accuracy}))
+
+
+def supervised_warm_start(policy, tokenizer, prompts: list[Prompt], *, steps: int, seed: int,
+                          batch_size: int = 64, lr: float = 2e-3) -> float:
+    """Teacher-forced training on `prompt + answer + EOS`, loss on the answer tokens only.
+
+    Returns the final answer-token accuracy of the last batch (a rough progress figure).
+    """
+    rng = np.random.default_rng(seed)
+    opt = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=0.0)
+    policy.train()
+    acc = 0.0
+    for _ in range(steps):
+        batch = [prompts[i] for i in rng.integers(0, len(prompts), size=batch_size)]
+        ids, labels = _sft_batch(tokenizer, batch)
+        out = policy(input_ids=ids, attention_mask=(ids != PAD).long())
+        logits = out.logits[:, :-1]
+        target = labels[:, 1:]
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                 target.reshape(-1), ignore_index=-100)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        with torch.no_grad():
+            m = target != -100
+            acc = float((logits.argmax(-1)[m] == target[m]).float().mean())
+    policy.eval()
+    return acc
+
+
+def _sft_batch(tokenizer, batch: list[Prompt]) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, labels = [], []
+    for p in batch:
+        prompt_ids = tokenizer(p.text)["input_ids"]
+        answer_ids = tokenizer(p.answer, add_special_tokens=False)["input_ids"] + [EOS]
+        rows.append(prompt_ids + answer_ids)
+        labels.append([-100] * len(prompt_ids) + answer_ids)
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), PAD, dtype=torch.long)
+    lab = torch.full((len(rows), width), -100, dtype=torch.long)
+    for i, (r, lb) in enumerate(zip(rows, labels)):
+        ids[i, : len(r)] = torch.tensor(r)
+        lab[i, : len(lb)] = torch.tensor(lb)
+    return ids, lab

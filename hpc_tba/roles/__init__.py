@@ -1,0 +1,1 @@
+"""Roles: learner, searcher, and how to build the one a rank plays."""

@@ -1,0 +1,254 @@
+"""The learner role: DeepSpeed ZeRO-3 training on samples from this rank's replay-buffer shard.
+
+Loop (one screen, `run`): take whatever trajectories have arrived (never waiting for a given
+searcher), sample G prompts x K responses from the local shard, compute log-probs of the current
+policy and the frozen reference from logits / T, the configured loss, and one ZeRO-3 step; every
+k steps gather the weights bucket by bucket and broadcast them to the searchers (version = the
+learner step). Learner rank 0 also collects the searchers' held-out evaluations and ends the run
+with a STOP / DONE handshake that drains every trajectory still in flight.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import numpy as np
+import torch
+
+from hpc_tba.buffer import BufferShard, staleness_lags
+from hpc_tba.comm.metrics import reduce_metrics
+from hpc_tba.comm.transport import MPITransport, Tag
+from hpc_tba.comm.weight_sync import FLAG_EVAL, Manifest, WeightSender
+from hpc_tba.losses import LossConfig, LossInputs, compute_loss, loss_units
+from hpc_tba.roles.config import LearnerConfig
+from hpc_tba.roles.logging import RunLogger
+from hpc_tba.roles.policy import pack, pad_per_token, response_logprobs
+from hpc_tba.topology import Topology
+
+POLL_S = 0.02
+
+
+def deepspeed_config(cfg: LearnerConfig, *, micro_batch: int, train: bool) -> dict:
+    ds = {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": cfg.zero_stage,
+                              # Shard every parameter, however small: the tiny CPU model then
+                              # exercises the same gathers as a 70B one.
+                              "stage3_param_persistence_threshold": 0},
+        "bf16": {"enabled": cfg.dtype == "bf16"},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+    if train and cfg.grad_clip > 0:
+        ds["gradient_clipping"] = cfg.grad_clip
+    return ds
+
+
+class Learner:
+    def __init__(self, *, cfg: LearnerConfig, loss: LossConfig, shard: BufferShard, k: int,
+                 temperature: float, model_path: str, transport: MPITransport, topo: Topology,
+                 sync_group, run_dir: str):
+        self.cfg, self.loss_cfg, self.shard = cfg, loss, shard
+        self.k, self.temperature = k, temperature
+        self.transport, self.topo = transport, topo
+        self.is_main = transport.rank == 0
+        self.step = 0
+        self.version = 0
+        torch.manual_seed(cfg.seed)
+        self.engine, self.ref, self.pad_id = self._build_models(model_path)
+        self.manifest = Manifest.build(
+            [(n, tuple(getattr(p, "ds_shape", p.shape))) for n, p in self.engine.module.named_parameters()],
+            bucket_bytes=int(cfg.sync_bucket_mb * 2**20))
+        self.sender = WeightSender(self.engine.module, self.manifest, sync_group)
+        self.log = RunLogger(run_dir, "learner", enabled=self.is_main, total=cfg.total_steps)
+        self.received: dict[int, int] = {}  # searcher rank -> trajectories received
+        self.done: dict[int, int] = {}  # searcher rank -> trajectories it says it sent here
+        self.evals: dict[int, list[float]] = {}  # version -> [correct, total, reports]
+        self.pass_at_1: dict[int, float] = {}
+        self._incoming = {"rewards": [], "samples": 0, "t": time.time()}
+
+    # ------------------------------------------------------------------ build
+    def _build_models(self, model_path: str):
+        import deepspeed
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        dtype = torch.bfloat16 if self.cfg.dtype == "bf16" else torch.float32
+        micro = max(1, self.cfg.prompts_per_step * self.k)
+        policy = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+        opt = torch.optim.AdamW(policy.parameters(), lr=self.cfg.lr, weight_decay=0.0)
+        warmup = max(1, self.cfg.warmup_steps)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
+        engine, _, _, _ = deepspeed.initialize(
+            model=policy, optimizer=opt, lr_scheduler=sched,
+            config=deepspeed_config(self.cfg, micro_batch=micro, train=True))
+        ref = None
+        if self.loss_cfg.needs_reference:
+            ref_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
+            ref_model.requires_grad_(False)
+            ref, *_ = deepspeed.initialize(
+                model=ref_model, config=deepspeed_config(self.cfg, micro_batch=micro, train=False))
+        pad = AutoTokenizer.from_pretrained(model_path).pad_token_id
+        return engine, ref, 0 if pad is None else pad
+
+    # ------------------------------------------------------------------ loop
+    def run(self) -> dict:
+        self.wait_for_warm_start()
+        while self.step < self.cfg.total_steps:
+            self.receive()
+            metrics = self.train_step()
+            self.step += 1
+            last = self.step == self.cfg.total_steps
+            if self.step % self.cfg.sync_every == 0 or last:
+                metrics.update(self.sync(evaluate=last or self._eval_due()))
+            if self.step % self.cfg.log_every == 0 or last:
+                self.log.scalars(self.step, reduce_metrics(metrics, sum_prefix="loss/"))
+                self.log.progress(self.step, self._postfix(metrics))
+        return self.finish()
+
+    def wait_for_warm_start(self) -> None:
+        """Fill every shard to the warm-start threshold before the first step (ALGORITHMS.md §1)."""
+        t0 = time.time()
+        while True:
+            self.receive()
+            ready = reduce_metrics({"ready": float(self.shard.ready())}, op="min")["ready"]
+            if ready:
+                break
+            time.sleep(POLL_S)
+        self.log.scalars(0, {"perf/warm_start_s": time.time() - t0, **self.shard.metrics()})
+
+    def receive(self) -> int:
+        """Take every trajectory that has arrived into the shard; never blocks."""
+        n = 0
+        for src, buf in self.transport.poll(Tag.TRAJ):
+            from hpc_tba.messages import TrajectoryBatch
+
+            batch = TrajectoryBatch.unpack(buf)
+            self.shard.add(batch)
+            self.received[src] = self.received.get(src, 0) + 1
+            self._incoming["rewards"].append(float(batch.rewards.mean()))
+            self._incoming["samples"] += batch.num_responses
+            n += 1
+        for src, buf in self.transport.poll(Tag.DONE):
+            self.done[src] = int(buf.view(np.int64)[0])
+        if self.is_main:
+            for _, buf in self.transport.poll(Tag.EVAL):
+                self._on_eval(buf.view(np.float64))
+        return n
+
+    def train_step(self) -> dict[str, float]:
+        t0 = time.time()
+        batch = self.shard.sample(self.cfg.prompts_per_step, self.k, learner_version=self.step)
+        packed = pack(batch.prompt_tokens, batch.response_tokens, pad_id=self.pad_id)
+        logp = response_logprobs(self.engine, packed, temperature=self.temperature)
+        logp_ref = None
+        if self.ref is not None:
+            with torch.no_grad():
+                logp_ref = response_logprobs(self.ref, packed, temperature=self.temperature)
+        inputs = LossInputs(
+            logp=logp, logp_ref=logp_ref,
+            logp_behavior=pad_per_token(batch.logp_behavior, packed.response_ids),
+            mask=packed.response_mask, rewards=torch.as_tensor(batch.rewards),
+            group_ids=torch.as_tensor(batch.group_ids),
+            advantages=None if batch.advantages is None else torch.as_tensor(batch.advantages))
+        # DeepSpeed averages gradients over learner ranks: normaliser = global units / ranks.
+        units = reduce_metrics({"units": float(loss_units(self.loss_cfg, inputs))}, op="sum")["units"]
+        loss, lm = compute_loss(self.loss_cfg, inputs, step=self.step,
+                                normalizer=max(units, 1.0) / self.topo.num_learners)
+        self.engine.backward(loss)
+        self.engine.step()
+        dt = time.time() - t0
+        out = {k: float(v) for k, v in lm.items()}
+        out.update(self.shard.staleness(batch, self.step))
+        out.update(self.shard.metrics())
+        out.update(self._mismatch(batch, logp.detach(), inputs.logp_behavior, packed.response_mask))
+        out.update(self._incoming_metrics())
+        out["reward/sampled_mean"] = float(batch.rewards.mean())
+        out["perf/step_s"] = dt
+        out["perf/train_tokens_per_s"] = packed.num_response_tokens / max(dt, 1e-9)
+        out["train/lr"] = float(self.engine.get_lr()[0])
+        if self.is_main:
+            self.log.histogram(self.step, "buffer/staleness", staleness_lags(batch, self.step))
+        return out
+
+    def sync(self, *, evaluate: bool) -> dict[str, float]:
+        t0 = time.time()
+        self.version = self.step
+        sent = self.sender.send(self.version, flags=FLAG_EVAL if evaluate else 0)
+        self.shard.mark_sync(self.version)
+        dt = time.time() - t0
+        return {"sync/time_s": dt, "sync/bytes": float(sent), "sync/version": float(self.version)}
+
+    def _eval_due(self) -> bool:
+        e = self.cfg.eval_every
+        return e > 0 and self.step % e < self.cfg.sync_every
+
+    # ------------------------------------------------------------------ metrics
+    def _mismatch(self, batch, logp, logp_behavior, mask) -> dict[str, float]:
+        """Learner vs engine log-prob of sampled tokens, on rows made by the current weights."""
+        rows = torch.as_tensor(batch.policy_versions == self.version)
+        m = mask & rows[:, None]
+        if not bool(m.any()):
+            return {}
+        gap = (logp - logp_behavior).abs()[m]
+        return {"sync/logprob_mismatch_mean": float(gap.mean()),
+                "sync/logprob_mismatch_max": float(gap.max())}
+
+    def _incoming_metrics(self) -> dict[str, float]:
+        inc, now = self._incoming, time.time()
+        out = {"perf/gen_samples_per_s": inc["samples"] / max(now - inc["t"], 1e-9)}
+        if inc["rewards"]:
+            out["reward/incoming_mean"] = float(np.mean(inc["rewards"]))
+        self._incoming = {"rewards": [], "samples": 0, "t": now}
+        return out
+
+    def _on_eval(self, vals: np.ndarray) -> None:
+        version, correct, total = int(vals[0]), float(vals[1]), float(vals[2])
+        acc = self.evals.setdefault(version, [0.0, 0.0, 0])
+        acc[0] += correct
+        acc[1] += total
+        acc[2] += 1
+        if acc[2] == self.topo.num_searchers:
+            self.pass_at_1[version] = acc[0] / max(acc[1], 1.0)
+            self.log.scalars(version, {"test/pass@1": self.pass_at_1[version]})
+
+    def _postfix(self, m: dict[str, float]) -> dict[str, str]:
+        out = {"reward": f"{m.get('reward/sampled_mean', 0):.2f}", "buf": f"{int(m.get('buffer/size', 0))}"}
+        if self.pass_at_1:
+            out["pass@1"] = f"{self.pass_at_1[max(self.pass_at_1)]:.2f}"
+        return out
+
+    # ------------------------------------------------------------------ end
+    def finish(self, *, eval_timeout_s: float = 900.0) -> dict:
+        """Wait for the final evaluation, stop the searchers, drain what they sent, report."""
+        if self.is_main:
+            deadline = time.time() + eval_timeout_s
+            while self.version not in self.pass_at_1 and time.time() < deadline:
+                self.receive()
+                time.sleep(POLL_S)
+            for r in self.topo.searcher_ranks:
+                self.transport.send_array(r, Tag.STOP, np.array([self.version], dtype=np.int64))
+        searchers = set(self.topo.searcher_ranks)
+        while set(self.done) != searchers or any(self.received.get(r, 0) < self.done[r] for r in searchers):
+            self.receive()
+            time.sleep(POLL_S)
+        self.sender.stop()
+        self.shard.flush()
+        return self.summary()
+
+    def summary(self) -> dict:
+        versions = sorted(self.pass_at_1)
+        s = {"steps": self.step, "final_version": self.version,
+             "trajectories_received": {str(r): n for r, n in sorted(self.received.items())},
+             "buffer_size": len(self.shard),
+             "pass@1": {str(v): self.pass_at_1[v] for v in versions},
+             "pass@1_before": self.pass_at_1.get(0), "pass@1_after": self.pass_at_1.get(self.version)}
+        if self.is_main:
+            self.log.write_json("summary.json", s)
+        return s
+
+    def close(self) -> None:
+        self.log.close()
+        self.shard.close()

@@ -1,0 +1,128 @@
+"""The searcher role: a vLLM engine that never stops generating.
+
+Loop (`run`): apply the newest weights that arrived (between rounds only, so one sample never
+mixes two versions), evaluate on the held-out slice when the learner asked for it, generate S
+samples for each of the next prompts of this searcher's slice, score them, and send each prompt's
+samples, stamped with the engine's version, to the buffer shard that owns the prompt. Sends are
+non-blocking and overlap the next round. On STOP it finishes the round, flushes its sends and
+tells every learner how many trajectories it sent there (DONE), so nothing is left in flight.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from hpc_tba.comm.transport import MPITransport, Tag
+from hpc_tba.comm.weight_sync import WeightReceiver
+from hpc_tba.engine.vllm_engine import VLLMEngine
+from hpc_tba.messages import TrajectoryBatch
+from hpc_tba.roles.config import SearcherConfig
+from hpc_tba.roles.logging import RunLogger
+from hpc_tba.tasks import Task
+from hpc_tba.topology import Topology
+
+
+class Searcher:
+    def __init__(self, *, cfg: SearcherConfig, task: Task, engine: VLLMEngine,
+                 receiver: WeightReceiver | None, transport: MPITransport, topo: Topology,
+                 index: int, run_dir: str):
+        self.cfg, self.task, self.engine, self.receiver = cfg, task, engine, receiver
+        self.transport, self.topo, self.index = transport, topo, index
+        train = task.prompts("train")
+        self.prompts = [train[i] for i in topo.prompts_of_searcher(index, len(train))]
+        if not self.prompts:
+            raise ValueError(f"searcher {index} has no prompts: {len(train)} train prompts for "
+                             f"{topo.num_searchers} searchers")
+        self.test = task.prompts("test")[index::topo.num_searchers]
+        self.tokens = engine.tokenize([p.text for p in self.prompts])
+        self.rng = np.random.default_rng(cfg.seed + index)
+        self.order: list[int] = []
+        self.rounds = 0
+        self.sent = 0
+        self.evaluated: dict[int, float] = {}
+        self.log = RunLogger(run_dir, f"searcher{index}")
+
+    def run(self) -> None:
+        self.evaluate(self.engine.version)
+        while not self.stop_requested():
+            self.apply_weights()
+            self.generate_round()
+        self.finish()
+
+    def apply_weights(self) -> None:
+        if self.receiver is None:
+            return
+        staged, evals = self.receiver.take()
+        if staged is not None:
+            t0 = time.time()
+            self.engine.load_weights(staged.tensors, staged.version)
+            self.log.scalars(self.rounds, {"searcher/version": staged.version,
+                                           "searcher/weight_apply_s": time.time() - t0})
+        for v in evals:  # evaluated with the newest weights, which are at least version v
+            self.evaluate(v)
+
+    def generate_round(self) -> None:
+        t0 = time.time()
+        picks = self._next_prompts(self.cfg.prompts_per_round)
+        version = self.engine.version
+        outs = self.engine.sample([self.tokens[i] for i in picks], n=self.cfg.samples_per_prompt,
+                                  temperature=self.cfg.temperature, max_tokens=self.cfg.max_new_tokens)
+        flat_prompts = [self.prompts[i] for i, o in zip(picks, outs) for _ in o]
+        texts = [self.engine.decode(s.tokens) for o in outs for s in o]
+        rewards, failed = self.task.rewards(flat_prompts, texts)
+        gen_s = time.time() - t0
+        off, n_tok = 0, 0
+        for i, samples in zip(picks, outs):
+            n = len(samples)
+            batch = TrajectoryBatch(
+                prompt_id=self.prompts[i].id, prompt_tokens=np.asarray(self.tokens[i], np.int32),
+                response_tokens=np.concatenate([s.tokens for s in samples]),
+                lengths=np.array([len(s.tokens) for s in samples], np.int32),
+                rewards=rewards[off:off + n], logp_behavior=np.concatenate([s.logp for s in samples]),
+                policy_version=version, searcher_id=self.index, timestamp=time.time())
+            self.transport.send_trajectory(self.topo.shard_of_prompt(batch.prompt_id), batch)
+            self.sent += 1
+            off += n
+            n_tok += int(batch.lengths.sum())
+        self.rounds += 1
+        self.log.scalars(self.rounds, {
+            "searcher/reward_mean": float(rewards.mean()), "searcher/reward_failures": failed,
+            "searcher/gen_tokens_per_s": n_tok / max(gen_s, 1e-9),
+            "searcher/round_s": time.time() - t0, "searcher/version": version,
+            "searcher/sends_in_flight": self.transport.progress()})
+
+    def _next_prompts(self, n: int) -> list[int]:
+        """The next n prompts of this searcher's slice, reshuffled at each pass."""
+        out = []
+        while len(out) < n:
+            if not self.order:
+                self.order = list(self.rng.permutation(len(self.prompts)))
+            out.append(int(self.order.pop()))
+        return out
+
+    def evaluate(self, version: int) -> None:
+        """Greedy pass@1 on this searcher's slice of the test split, reported to learner 0."""
+        if not self.test:
+            correct = 0
+        else:
+            outs = self.engine.greedy(self.engine.tokenize([p.text for p in self.test]),
+                                      max_tokens=self.cfg.max_new_tokens)
+            correct = int(self.task.correct(self.test, [self.engine.decode(o) for o in outs]).sum())
+        self.evaluated[version] = correct / max(len(self.test), 1)
+        self.transport.send_array(0, Tag.EVAL, np.array([version, correct, len(self.test)], np.float64))
+
+    def stop_requested(self) -> bool:
+        return bool(self.transport.poll(Tag.STOP))
+
+    def finish(self) -> None:
+        self.transport.flush()
+        for r in self.topo.learner_ranks:
+            self.transport.send_array(r, Tag.DONE, np.array([self.transport.sent_to.get(r, 0)], np.int64))
+        self.transport.flush()
+        if self.receiver is not None:
+            self.receiver.join()
+
+    def close(self) -> None:
+        self.log.close()
+        self.engine.close()
