@@ -58,11 +58,11 @@ def train(overrides: list[str]) -> int:
     if os.path.isdir(cfg.run_dir) and os.listdir(cfg.run_dir):
         raise SystemExit(f"hpc-tba: run_dir {cfg.run_dir} already holds a run; choose another "
                          "run_dir=... (or remove it)")
-    print(f"hpc-tba: run directory {cfg.run_dir}", file=sys.stderr)
     if cfg.model.path == "embedded":
         print("hpc-tba: preparing the embedded model (built and warm-started once, then cached)",
               file=sys.stderr)
     resolve_model_path(cfg.model, cfg.task)  # build once here, not on every rank
+    print(f"hpc-tba: run directory {cfg.run_dir}", file=sys.stderr)
     cmd = [mpiexec, "-n", str(cfg.cluster.world_size), sys.executable, "-m", "hpc_tba.run",
            *overrides, f"run_dir={cfg.run_dir}"]
     env = rank_env(cfg.cluster.threads_per_rank)

@@ -8,11 +8,11 @@ import dataclasses
 class LearnerConfig:
     """DeepSpeed ZeRO-3 learner."""
 
-    total_steps: int = 200
+    total_steps: int = 150
     """Learner updates in the run."""
-    prompts_per_step: int = 4
+    prompts_per_step: int = 16
     """Prompts per learner step on each learner rank (each contributes K samples)."""
-    lr: float = 1e-4
+    lr: float = 3e-5
     """Adam learning rate (TBA uses Adam, no gradient clipping)."""
     warmup_steps: int = 10
     """Linear learning-rate warm-up steps."""
@@ -32,6 +32,8 @@ class LearnerConfig:
     """Training dtype: fp32 or bf16."""
     seed: int = 0
     """Seed of sampling from the buffer and of torch on the learner."""
+    sync_check: bool = False
+    """Debug: after every sync, compare the engines' log-probs on a probe with the learner's."""
 
     def __post_init__(self) -> None:
         if self.total_steps < 1 or self.prompts_per_step < 1:

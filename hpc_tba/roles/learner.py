@@ -68,6 +68,9 @@ class Learner:
         self.done: dict[int, int] = {}  # searcher rank -> trajectories it says it sent here
         self.evals: dict[int, list[float]] = {}  # version -> [correct, total, reports]
         self.pass_at_1: dict[int, float] = {}
+        self.probe: tuple[list[int], list[int]] | None = None  # (prompt, response) token ids
+        self._probe_logp: dict[int, np.ndarray] = {}
+        self.sync_gaps: dict[int, dict[int, float]] = {}  # searcher rank -> version -> max gap
         self._incoming = {"rewards": [], "samples": 0, "t": time.time()}
 
     # ------------------------------------------------------------------ build
@@ -136,6 +139,8 @@ class Learner:
         if self.is_main:
             for _, buf in self.transport.poll(Tag.EVAL):
                 self._on_eval(buf.view(np.float64))
+            for src, buf in self.transport.poll(Tag.PROBE):
+                self._on_probe(src, buf.view(np.float64))
         return n
 
     def train_step(self) -> dict[str, float]:
@@ -176,10 +181,32 @@ class Learner:
     def sync(self, *, evaluate: bool) -> dict[str, float]:
         t0 = time.time()
         self.version = self.step
+        if self.probe is not None:
+            self._probe_logp[self.version] = self.probe_logprobs()
         sent = self.sender.send(self.version, flags=FLAG_EVAL if evaluate else 0)
         self.shard.mark_sync(self.version)
         dt = time.time() - t0
         return {"sync/time_s": dt, "sync/bytes": float(sent), "sync/version": float(self.version)}
+
+    def probe_logprobs(self) -> np.ndarray:
+        """Per-token log-probs (T = 1) of the probe response under the current weights.
+
+        A ZeRO-3 forward: every learner rank runs it (the parameters are gathered collectively).
+        """
+        prompt, response = self.probe
+        packed = pack([np.asarray(prompt)], [np.asarray(response)], pad_id=self.pad_id)
+        with torch.no_grad():
+            logp = response_logprobs(self.engine, packed, temperature=1.0)
+        return logp[0, : len(response)].double().numpy()
+
+    def _on_probe(self, src: int, vals: np.ndarray) -> None:
+        version, engine_logp = int(vals[0]), vals[1:]
+        mine = self._probe_logp.get(version)
+        if mine is None:
+            return
+        gap = float(np.abs(mine - engine_logp).max())
+        self.sync_gaps.setdefault(src, {})[version] = gap
+        self.log.scalars(version, {f"sync/logprob_gap_searcher{src}": gap, "sync/logprob_gap": gap})
 
     def _eval_due(self) -> bool:
         e = self.cfg.eval_every
@@ -244,7 +271,9 @@ class Learner:
              "trajectories_received": {str(r): n for r, n in sorted(self.received.items())},
              "buffer_size": len(self.shard),
              "pass@1": {str(v): self.pass_at_1[v] for v in versions},
-             "pass@1_before": self.pass_at_1.get(0), "pass@1_after": self.pass_at_1.get(self.version)}
+             "pass@1_before": self.pass_at_1.get(0), "pass@1_after": self.pass_at_1.get(self.version),
+             "sync_logprob_gap": {str(r): {str(v): g for v, g in sorted(d.items())}
+                                  for r, d in sorted(self.sync_gaps.items())}}
         if self.is_main:
             self.log.write_json("summary.json", s)
         return s

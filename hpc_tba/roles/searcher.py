@@ -41,6 +41,7 @@ class Searcher:
         self.rounds = 0
         self.sent = 0
         self.evaluated: dict[int, float] = {}
+        self.probe: tuple[list[int], list[int]] | None = None  # set when the run checks syncs
         self.log = RunLogger(run_dir, f"searcher{index}")
 
     def run(self) -> None:
@@ -59,6 +60,9 @@ class Searcher:
             self.engine.load_weights(staged.tensors, staged.version)
             self.log.scalars(self.rounds, {"searcher/version": staged.version,
                                            "searcher/weight_apply_s": time.time() - t0})
+            if self.probe is not None:
+                logp = self.engine.score(*self.probe, temperature=1.0)
+                self.transport.send_array(0, Tag.PROBE, np.concatenate([[staged.version], logp]))
         for v in evals:  # evaluated with the newest weights, which are at least version v
             self.evaluate(v)
 
