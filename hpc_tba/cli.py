@@ -10,7 +10,7 @@ import shutil
 import subprocess
 import sys
 
-USAGE = "usage: hpc-tba {train,plan,eval} [hydra overrides ...]"
+USAGE = "usage: hpc-tba {train,plan,eval,preprocess} [hydra overrides ...]"
 
 
 def find_mpiexec(name: str) -> str | None:
@@ -40,8 +40,6 @@ def rank_env(threads: int) -> dict[str, str]:
 def train(overrides: list[str]) -> int:
     from hpc_tba.config import compose
     from hpc_tba.models.tiny import resolve_model_path
-    from hpc_tba.topology import Topology
-
     cfg = compose(overrides)
     if cfg.cluster.backend != "local":
         from hpc_tba.launcher import submit
@@ -49,15 +47,17 @@ def train(overrides: list[str]) -> int:
         job = submit.launch(cfg, overrides=overrides)
         print(f"submitted {job}")
         return 0
-    Topology.build(cfg.cluster.world_size, cfg.cluster.num_learners, cfg.cluster.num_searchers)
+    from hpc_tba.roles.build import topology_for
+
+    topology_for(cfg, cfg.cluster.world_size)
     mpiexec = find_mpiexec(cfg.cluster.mpiexec)
     if mpiexec is None:
         raise SystemExit(f"hpc-tba: MPI launcher {cfg.cluster.mpiexec!r} not found on PATH "
                          "(install the `mpich` wheel, load your site's MPI module, or set "
                          "cluster.mpiexec=...)")
-    if os.path.isdir(cfg.run_dir) and os.listdir(cfg.run_dir):
+    if cfg.resume == "never" and os.path.isdir(cfg.run_dir) and os.listdir(cfg.run_dir):
         raise SystemExit(f"hpc-tba: run_dir {cfg.run_dir} already holds a run; choose another "
-                         "run_dir=... (or remove it)")
+                         "run_dir=..., remove it, or continue it with resume=auto")
     if cfg.model.path == "embedded":
         print("hpc-tba: preparing the embedded model (built and warm-started once, then cached)",
               file=sys.stderr)
@@ -68,6 +68,21 @@ def train(overrides: list[str]) -> int:
     env = rank_env(cfg.cluster.threads_per_rank)
     env.setdefault("HPC_TBA_MASTER_ADDR", "127.0.0.1")
     return subprocess.call(cmd, env=env)
+
+
+def preprocess(overrides: list[str]) -> int:
+    """`hpc-tba preprocess task=offline task.path=FILE`: behaviour/reference log-probs and A-LoL
+    advantages under the starting policy, written next to the data (see roles/offline.py)."""
+    from hpc_tba.config import compose
+    from hpc_tba.models.tiny import resolve_model_path
+    from hpc_tba.roles.offline import preprocess_file
+
+    cfg = compose(overrides)
+    if cfg.task.name != "offline" or not os.path.isfile(cfg.task.path):
+        raise SystemExit("hpc-tba: preprocess needs task=offline task.path=<a JSONL/parquet file>")
+    out = preprocess_file(cfg.task.path, resolve_model_path(cfg.model, cfg.task))
+    print(f"hpc-tba: wrote {out}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
             from hpc_tba.planner import plan_main
 
             return plan_main(argv)
+        if cmd == "preprocess":
+            return preprocess(argv)
         if cmd == "eval":
             from hpc_tba.evaluation import eval_main
 

@@ -41,6 +41,12 @@ class RunConfig:
     """Run directory (TensorBoard events, buffer segments, checkpoints); shared filesystem on Slurm."""
     name: str = "tba"
     """Run name shown in logs."""
+    resume: str = "never"
+    """never | auto (the latest complete checkpoint in run_dir, if any) | a checkpoint directory."""
+
+    def __post_init__(self) -> None:
+        if self.resume not in ("never", "auto") and not self.resume.startswith(("/", ".", "~")):
+            raise ValueError(f"resume={self.resume!r}: use never, auto, or a checkpoint directory path")
 
 
 def _register() -> None:

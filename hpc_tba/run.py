@@ -23,10 +23,20 @@ def run_rank(overrides: list[str]) -> dict | None:
     worker = None
     try:
         worker = build.role(cfg, transport, topo, role)
-        return worker.run()
+        summary = worker.run()
     finally:
         if worker is not None:
             worker.close()
+    if summary is not None and summary.get("preempted") and os.environ.get("SLURM_JOB_ID"):
+        from hpc_tba.launcher.slurm import preemption_signals, requeue
+
+        if summary.get("signal") not in preemption_signals():
+            return summary  # SIGTERM: scancel or the time limit, not a preemption notice
+
+        print(f"hpc-tba: checkpointed at step {summary['steps']}; requeueing Slurm job "
+              f"{os.environ['SLURM_JOB_ID']}", flush=True)
+        requeue()
+    return summary
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -47,7 +47,8 @@ def resolve_model_path(model: ModelConfig, task: TaskConfig) -> str:
             raise FileNotFoundError(f"model.path={model.path!r} is not a Hugging Face model "
                                     "directory (no config.json there)")
         return str(path)
-    return str(ensure_embedded_model(model, task))
+    # The embedded model is warm-started on the embedded task, whatever task it then trains on.
+    return str(ensure_embedded_model(model, task if task.name == "arithmetic" else TaskConfig()))
 
 
 def ensure_embedded_model(model: ModelConfig, task: TaskConfig) -> Path:

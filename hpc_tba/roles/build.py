@@ -11,8 +11,19 @@ def transport_and_topology(cfg: RunConfig):
     from hpc_tba.comm.transport import MPITransport
 
     transport = MPITransport()
-    topo = Topology.build(transport.size, cfg.cluster.num_learners, cfg.cluster.num_searchers)
+    topo = topology_for(cfg, transport.size)
     return transport, topo, topo.role(transport.rank)
+
+
+def topology_for(cfg: RunConfig, world_size: int) -> Topology:
+    """The layout for this config; an offline task trains from a file with no searcher."""
+    offline = cfg.task.name == "offline"
+    if offline and cfg.cluster.num_searchers:
+        from hpc_tba.topology import LayoutError
+
+        raise LayoutError("task=offline trains from a file: set cluster.num_searchers=0")
+    return Topology.build(world_size, cfg.cluster.num_learners, cfg.cluster.num_searchers,
+                          needs_searchers=not offline)
 
 
 def _pin_threads(n: int) -> None:
@@ -42,9 +53,16 @@ def _pin_cores(rank: int, topo: Topology) -> None:
 
 
 def role(cfg: RunConfig, transport, topo: Topology, role: Role):
+    import signal
+
     from hpc_tba.comm.groups import setup_groups
+    from hpc_tba.launcher.slurm import install_preemption_handler, preemption_signals
     from hpc_tba.models.tiny import resolve_model_path
     from hpc_tba.tasks import build_task
+
+    # Every rank takes the signals (an unhandled SIGUSR1 would kill a searcher); learners act on
+    # them at the next step boundary: checkpoint together, stop the searchers, exit.
+    preemption = install_preemption_handler((*preemption_signals(), signal.SIGTERM))
 
     _pin_threads(cfg.cluster.threads_per_rank)
     if cfg.cluster.backend == "local" and cfg.cluster.pin_cores:
@@ -52,12 +70,14 @@ def role(cfg: RunConfig, transport, topo: Topology, role: Role):
     model_path = resolve_model_path(cfg.model, cfg.task)
     groups = setup_groups(transport, topo, backend=cfg.cluster.dist_backend)
     if role is Role.LEARNER:
-        return _learner(cfg, transport, topo, groups, model_path)
+        return _learner(cfg, transport, topo, groups, model_path, preemption)
     return _searcher(cfg, transport, topo, groups, model_path, build_task(cfg.task))
 
 
-def _learner(cfg: RunConfig, transport, topo: Topology, groups, model_path: str):
+def _learner(cfg: RunConfig, transport, topo: Topology, groups, model_path: str, preemption):
     from hpc_tba.buffer import BufferShard
+    from hpc_tba.checkpoint import resolve_resume
+    from hpc_tba.config import to_yaml
     from hpc_tba.roles.learner import Learner
 
     lrank = topo.learner_ranks.index(transport.rank)
@@ -66,12 +86,29 @@ def _learner(cfg: RunConfig, transport, topo: Topology, groups, model_path: str)
     learner = Learner(cfg=cfg.learner, loss=cfg.algo, shard=shard, k=cfg.searcher.k,
                       temperature=cfg.searcher.temperature, model_path=model_path,
                       transport=transport, topo=topo, sync_group=groups.sync_group,
-                      run_dir=cfg.run_dir)
+                      run_dir=cfg.run_dir, preemption=preemption)
+    learner.config_yaml = to_yaml(cfg)
+    if cfg.task.name == "offline":
+        _fill_offline(cfg, shard, model_path)
+    resume_from = resolve_resume(cfg.run_dir, cfg.resume)
+    if resume_from is not None:
+        learner.resume(resume_from)
     probe = _probe(cfg, model_path) if cfg.learner.sync_check else None
     learner.probe = probe
-    transport.bcast_json({"manifest": learner.manifest.to_json(), "probe": probe}
-                         if transport.rank == 0 else None)
+    transport.bcast_json({"manifest": learner.manifest.to_json(), "probe": probe,
+                          "resumed_step": learner.step} if transport.rank == 0 else None)
     return learner
+
+
+def _fill_offline(cfg: RunConfig, shard, model_path: str) -> None:
+    from transformers import AutoTokenizer
+
+    from hpc_tba.roles.offline import fill_shard
+    from hpc_tba.tasks import build_task
+
+    needs = (["logp_behavior"] if cfg.algo.name == "topr" else []) + (
+        ["advantage"] if cfg.algo.needs_advantages else [])
+    fill_shard(shard, build_task(cfg.task), AutoTokenizer.from_pretrained(model_path), needs=needs)
 
 
 def _probe(cfg: RunConfig, model_path: str) -> tuple[list[int], list[int]]:
@@ -101,4 +138,5 @@ def _searcher(cfg: RunConfig, transport, topo: Topology, groups, model_path: str
     searcher = Searcher(cfg=cfg.searcher, task=task, engine=engine, receiver=receiver,
                         transport=transport, topo=topo, index=index, run_dir=cfg.run_dir)
     searcher.probe = setup["probe"]
+    searcher.resumed = setup["resumed_step"] > 0
     return searcher

@@ -34,6 +34,14 @@ class LearnerConfig:
     """Seed of sampling from the buffer and of torch on the learner."""
     sync_check: bool = False
     """Debug: after every sync, compare the engines' log-probs on a probe with the learner's."""
+    checkpoint_every: int = 0
+    """Checkpoint every this many steps (0: only on preemption signals and at the end)."""
+    checkpoint_interval_s: float = 0.0
+    """Also checkpoint when this many seconds passed since the last one (0: off)."""
+    keep_last: int = 2
+    """Complete checkpoints kept (older ones are deleted after a new one is in place)."""
+    export_final: bool = True
+    """Write the final policy as a Hugging Face directory `<run_dir>/final_model`."""
 
     def __post_init__(self) -> None:
         if self.total_steps < 1 or self.prompts_per_step < 1:
@@ -42,6 +50,9 @@ class LearnerConfig:
             raise ValueError("learner.sync_every (k) must be >= 1")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"learner.zero_stage={self.zero_stage} must be 0-3")
+        if self.checkpoint_every < 0 or self.checkpoint_interval_s < 0 or self.keep_last < 1:
+            raise ValueError("learner.checkpoint_every/checkpoint_interval_s must be >= 0 and "
+                             "learner.keep_last >= 1")
         if self.dtype not in ("fp32", "bf16"):
             raise ValueError(f"learner.dtype={self.dtype!r} must be fp32 or bf16")
 

@@ -16,6 +16,7 @@ import time
 import numpy as np
 import torch
 
+from hpc_tba import checkpoint
 from hpc_tba.buffer import BufferShard, staleness_lags
 from hpc_tba.comm.metrics import reduce_metrics
 from hpc_tba.comm.transport import MPITransport, Tag
@@ -50,15 +51,21 @@ def deepspeed_config(cfg: LearnerConfig, *, micro_batch: int, train: bool) -> di
 class Learner:
     def __init__(self, *, cfg: LearnerConfig, loss: LossConfig, shard: BufferShard, k: int,
                  temperature: float, model_path: str, transport: MPITransport, topo: Topology,
-                 sync_group, run_dir: str):
+                 sync_group, run_dir: str, preemption=None):
         self.cfg, self.loss_cfg, self.shard = cfg, loss, shard
         self.k, self.temperature = k, temperature
         self.transport, self.topo = transport, topo
         self.is_main = transport.rank == 0
+        self.lrank = topo.learner_ranks.index(transport.rank)
+        self.run_dir, self.model_path = run_dir, model_path
+        self.preemption = preemption  # a flag set by SIGUSR1/SIGTERM (launcher.slurm)
+        self.preempted = False
+        self._last_ckpt = (0, time.time())
         self.step = 0
         self.version = 0
         torch.manual_seed(cfg.seed)
         self.engine, self.ref, self.pad_id = self._build_models(model_path)
+        self.config_yaml = ""
         self.manifest = Manifest.build(
             [(n, tuple(getattr(p, "ds_shape", p.shape))) for n, p in self.engine.module.named_parameters()],
             bucket_bytes=int(cfg.sync_bucket_mb * 2**20))
@@ -98,6 +105,8 @@ class Learner:
 
     # ------------------------------------------------------------------ loop
     def run(self) -> dict:
+        if self.step > 0:  # resumed: the engines start from the model files, send them ours
+            self.sync(evaluate=False)
         self.wait_for_warm_start()
         while self.step < self.cfg.total_steps:
             self.receive()
@@ -109,11 +118,52 @@ class Learner:
             if self.step % self.cfg.log_every == 0 or last:
                 self.log.scalars(self.step, reduce_metrics(metrics, sum_prefix="loss/"))
                 self.log.progress(self.step, self._postfix(metrics))
+            self.preempted = self._signalled()
+            if self.preempted or last or self._checkpoint_due():
+                self.save_checkpoint()
+            if self.preempted:
+                break
         return self.finish()
+
+    # ------------------------------------------------------------------ checkpoints
+    def _signalled(self) -> bool:
+        """Did any learner rank get a preemption signal? (all ranks must checkpoint together)"""
+        mine = float(self.preemption is not None and self.preemption.is_set())
+        return bool(reduce_metrics({"signal": mine}, op="sum")["signal"] > 0)
+
+    def _checkpoint_due(self) -> bool:
+        every, interval = self.cfg.checkpoint_every, self.cfg.checkpoint_interval_s
+        due = (every > 0 and self.step % every == 0) or (
+            interval > 0 and time.time() - self._last_ckpt[1] >= interval)
+        return bool(reduce_metrics({"due": float(due)}, op="sum")["due"] > 0)
+
+    def save_checkpoint(self) -> str:
+        t0 = time.time()
+        self.shard.flush()
+        state = {"step": self.step, "version": self.version, "config": self.config_yaml,
+                 "pass@1": {str(k): v for k, v in self.pass_at_1.items()}}
+        path = checkpoint.save(self.engine, run_dir=self.run_dir, step=self.step,
+                               learner_rank=self.lrank, shard_state=self.shard.state_dict(),
+                               learner_state=state, keep_last=self.cfg.keep_last)
+        self._last_ckpt = (self.step, time.time())
+        self.log.scalars(self.step, {"checkpoint/time_s": time.time() - t0})
+        return path
+
+    def resume(self, path: str) -> None:
+        """Continue from a checkpoint: weights, optimizer, scheduler, RNG, step, buffer RNG."""
+        learner_state, shard_state = checkpoint.load(self.engine, path, learner_rank=self.lrank)
+        self.shard.load_state_dict(shard_state)
+        self.step = self.version = int(learner_state["step"])
+        self.pass_at_1 = {int(k): v for k, v in learner_state.get("pass@1", {}).items()}
+        self._last_ckpt = (self.step, time.time())
+        self.log.scalars(self.step, {"checkpoint/resumed_step": self.step})
 
     def wait_for_warm_start(self) -> None:
         """Fill every shard to the warm-start threshold before the first step (ALGORITHMS.md §1)."""
         t0 = time.time()
+        if self.topo.num_searchers == 0 and not self.shard.ready():
+            raise RuntimeError(f"offline data gave shard {self.lrank} only {len(self.shard)} "
+                               f"responses, below buffer.warm_start={self.shard.cfg.warm_start}")
         while True:
             self.receive()
             ready = reduce_metrics({"ready": float(self.shard.ready())}, op="min")["ready"]
@@ -152,12 +202,12 @@ class Learner:
         if self.ref is not None:
             with torch.no_grad():
                 logp_ref = response_logprobs(self.ref, packed, temperature=self.temperature)
+        rewards, groups = torch.as_tensor(batch.rewards), torch.as_tensor(batch.group_ids)
         inputs = LossInputs(
             logp=logp, logp_ref=logp_ref,
             logp_behavior=pad_per_token(batch.logp_behavior, packed.response_ids),
-            mask=packed.response_mask, rewards=torch.as_tensor(batch.rewards),
-            group_ids=torch.as_tensor(batch.group_ids),
-            advantages=None if batch.advantages is None else torch.as_tensor(batch.advantages))
+            mask=packed.response_mask, rewards=rewards, group_ids=groups,
+            advantages=self._advantages(batch, rewards, groups))
         # DeepSpeed averages gradients over learner ranks: normaliser = global units / ranks.
         units = reduce_metrics({"units": float(loss_units(self.loss_cfg, inputs))}, op="sum")["units"]
         loss, lm = compute_loss(self.loss_cfg, inputs, step=self.step,
@@ -178,9 +228,26 @@ class Learner:
             self.log.histogram(self.step, "buffer/staleness", staleness_lags(batch, self.step))
         return out
 
+    def _advantages(self, batch, rewards: torch.Tensor, groups: torch.Tensor) -> torch.Tensor | None:
+        """Stored advantages (offline A-LoL), else, online, A = R − mean R of the prompt's group.
+
+        Online there is no fitted value head: the group mean of the K sampled rewards stands in
+        for V(x) (the same baseline GRPO/RLOO use); offline data carries A = R − V(x) from
+        hpc_tba.losses.value computed once by the preprocessing pass.
+        """
+        if batch.advantages is not None:
+            return torch.as_tensor(batch.advantages)
+        if not self.loss_cfg.needs_advantages:
+            return None
+        means = torch.zeros(int(groups.max()) + 1).index_add_(0, groups, rewards)
+        counts = torch.zeros_like(means).index_add_(0, groups, torch.ones_like(rewards))
+        return rewards - (means / counts.clamp(min=1))[groups]
+
     def sync(self, *, evaluate: bool) -> dict[str, float]:
         t0 = time.time()
         self.version = self.step
+        if self.topo.num_searchers == 0:  # offline: nobody to send weights to
+            return {}
         if self.probe is not None:
             self._probe_logp[self.version] = self.probe_logprobs()
         sent = self.sender.send(self.version, flags=FLAG_EVAL if evaluate else 0)
@@ -250,8 +317,8 @@ class Learner:
     # ------------------------------------------------------------------ end
     def finish(self, *, eval_timeout_s: float = 900.0) -> dict:
         """Wait for the final evaluation, stop the searchers, drain what they sent, report."""
-        if self.is_main:
-            deadline = time.time() + eval_timeout_s
+        if self.is_main and self.topo.num_searchers:
+            deadline = time.time() + (0 if self.preempted else eval_timeout_s)
             while self.version not in self.pass_at_1 and time.time() < deadline:
                 self.receive()
                 time.sleep(POLL_S)
@@ -263,11 +330,16 @@ class Learner:
             time.sleep(POLL_S)
         self.sender.stop()
         self.shard.flush()
+        if self.cfg.export_final and not self.preempted and self.model_path is not None:
+            checkpoint.export_hf(self.engine, f"{self.run_dir}/final_model",
+                                 tokenizer_src=self.model_path, learner_rank=self.lrank)
         return self.summary()
 
     def summary(self) -> dict:
         versions = sorted(self.pass_at_1)
-        s = {"steps": self.step, "final_version": self.version,
+        signum = getattr(self.preemption, "signum", None) if self.preempted else None
+        s = {"steps": self.step, "final_version": self.version, "preempted": self.preempted,
+             "signal": signum,
              "trajectories_received": {str(r): n for r, n in sorted(self.received.items())},
              "buffer_size": len(self.shard),
              "pass@1": {str(v): self.pass_at_1[v] for v in versions},

@@ -42,10 +42,12 @@ class Searcher:
         self.sent = 0
         self.evaluated: dict[int, float] = {}
         self.probe: tuple[list[int], list[int]] | None = None  # set when the run checks syncs
+        self.resumed = False  # a resumed run: the starting weights are not the run's version 0
         self.log = RunLogger(run_dir, f"searcher{index}")
 
     def run(self) -> None:
-        self.evaluate(self.engine.version)
+        if not self.resumed:
+            self.evaluate(self.engine.version)
         while not self.stop_requested():
             self.apply_weights()
             self.generate_round()
