@@ -4,6 +4,8 @@ from __future__ import annotations
 import dataclasses
 
 SAMPLERS = ("tba", "uniform", "advantage")
+EVICTIONS = ("oldest", "lowest_reward")
+FSYNC_POLICIES = ("always", "interval", "never")
 
 
 @dataclasses.dataclass
@@ -22,6 +24,16 @@ class BufferConfig:
     """Global cap on stored responses per shard; 0 = unbounded."""
     warm_start: int = 500
     """Responses a shard must hold before its learner takes the first step."""
+    eviction: str = "oldest"
+    """Which responses the global cap evicts: oldest (red-teaming runs) or lowest_reward."""
+    fsync: str = "interval"
+    """Segment durability: always (fsync per add), interval (every fsync_interval_s), never (on flush)."""
+    fsync_interval_s: float = 1.0
+    """Seconds between fsyncs under fsync=interval; writes reach the OS on every add regardless."""
+    segment_bytes: int = 256 * 2**20
+    """Start a new segment file once the active one exceeds this many bytes."""
+    compact_ratio: float = 0.5
+    """Rewrite a shard's segments once this fraction of logged responses is evicted (0 = never)."""
 
     def __post_init__(self) -> None:
         if self.sampler not in SAMPLERS:
@@ -32,3 +44,13 @@ class BufferConfig:
             raise ValueError("buffer.per_prompt_capacity must be >= 1")
         if self.capacity < 0 or self.warm_start < 0:
             raise ValueError("buffer.capacity and buffer.warm_start must be >= 0")
+        if self.eviction not in EVICTIONS:
+            raise ValueError(f"buffer.eviction={self.eviction!r} is not one of {', '.join(EVICTIONS)}")
+        if self.fsync not in FSYNC_POLICIES:
+            raise ValueError(f"buffer.fsync={self.fsync!r} is not one of {', '.join(FSYNC_POLICIES)}")
+        if self.fsync_interval_s < 0:
+            raise ValueError("buffer.fsync_interval_s must be >= 0")
+        if self.segment_bytes < 4096:
+            raise ValueError(f"buffer.segment_bytes={self.segment_bytes} is too small (min 4096)")
+        if not 0.0 <= self.compact_ratio < 1.0:
+            raise ValueError(f"buffer.compact_ratio={self.compact_ratio} must be in [0, 1)")

@@ -1,0 +1,359 @@
+"""Packed in-memory storage of one buffer shard: responses in flat arrays, prompts as index arrays.
+
+Every stored response is a *slot*: one row in a set of parallel per-response arrays (prompt id,
+offset and length into a shared token pool, reward, advantage, policy version, searcher, times,
+a 64-bit content hash and an alive flag). Tokens and per-token log-probs live in one growing
+pool per field, so a response costs its raw bytes plus ~60 bytes of metadata, never a Python
+object per token. Each prompt keeps an int64 array of its live slots, oldest first.
+
+Removal (dedupe, per-prompt cap, global eviction) only clears the alive flag; the holes are
+squeezed out by `_compact` once they exceed a tenth of the pool, which keeps insertion order, so
+"oldest" is always "lowest live slot" and oldest-first eviction is a forward scan.
+
+Exact duplicates are found by hash and confirmed by comparing tokens, so a hash collision can never
+merge two different responses.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+_GROWTH = 1.125  # growth of large arrays: resident bytes stay close to the raw token bytes
+_SMALL = 1 << 16  # arrays below this many entries double instead (fewer copies while filling)
+_COMPACT_FRACTION = 0.1
+_KEY_BLOCK = 4096
+_SLOT_FIELDS = {  # name -> dtype of the per-response arrays
+    "pid": np.int64, "off": np.int64, "len": np.int32, "reward": np.float32, "adv": np.float32,
+    "version": np.int64, "searcher": np.int32, "time": np.float64, "accept": np.float64,
+    "hash": np.uint64, "alive": np.bool_, "has_ref": np.bool_,
+}
+_position_keys = np.zeros(0, dtype=np.uint64)
+
+
+def _keys(n: int) -> np.ndarray:
+    """Fixed random odd multipliers per token position (stable across processes and growth)."""
+    global _position_keys
+    while _position_keys.size < n:
+        block = _position_keys.size // _KEY_BLOCK
+        rng = np.random.Generator(np.random.PCG64([0x7BA, block]))
+        new = rng.integers(0, 2**63, size=_KEY_BLOCK, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
+        _position_keys = np.concatenate([_position_keys, new])
+    return _position_keys[:n]
+
+
+def hash_responses(tokens: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """[n] uint64 content hash of each ragged response (linear hash mod 2^64, then mixed)."""
+    if lengths.size == 0:
+        return np.zeros(0, dtype=np.uint64)
+    lengths = lengths.astype(np.int64)
+    starts = np.cumsum(lengths) - lengths
+    pos = np.arange(tokens.size, dtype=np.int64) - np.repeat(starts, lengths)
+    prod = (tokens.astype(np.int64).view(np.uint64) + np.uint64(1)) * _keys(int(lengths.max()))[pos]
+    h = np.add.reduceat(prod, starts) ^ (lengths.view(np.uint64) * np.uint64(0x9E3779B97F4A7C15))
+    h ^= h >> np.uint64(31)
+    h *= np.uint64(0xBF58476D1CE4E5B9)
+    return h ^ (h >> np.uint64(29))
+
+
+@dataclasses.dataclass
+class Prompt:
+    """One prompt's token ids and its live slots, oldest first."""
+
+    tokens: np.ndarray
+    slots: np.ndarray
+
+
+class Store:
+    """Packed storage with per-prompt dedupe and capacity and a global cap with eviction."""
+
+    def __init__(self, *, per_prompt_capacity: int, capacity: int, eviction: str) -> None:
+        self.per_prompt_capacity = per_prompt_capacity
+        self.capacity = capacity
+        self.eviction = eviction
+        self.s = {k: np.zeros(0, dtype=t) for k, t in _SLOT_FIELDS.items()}
+        self.tok = np.zeros(0, dtype=np.int32)
+        self.logp = np.zeros(0, dtype=np.float32)
+        self.ref = np.zeros(0, dtype=np.float32)
+        self.n_slots = 0  # slots used (live + dead)
+        self.n_tok = 0  # pool entries used
+        self.alive = 0  # live responses
+        self.dead_tok = 0
+        self.head = 0  # every slot below head is dead
+        self.marks: list[int] = []  # slot boundaries of the last weight syncs (kept by compact)
+        self._low = np.zeros(0, dtype=np.int64)  # lowest-reward eviction candidates, sorted
+        self._low_t = -np.inf  # every live slot with reward <= this is in _low
+        self.prompts: dict[int, Prompt] = {}
+        self.order: list[int] = []  # prompt ids, for O(1) uniform choice
+        self.pos: dict[int, int] = {}  # prompt id -> index in order
+        self.counters = {"added": 0, "duplicates": 0, "evicted": 0, "rejected": 0}
+        self.last_dropped = (0, 0)  # (in-batch duplicates, over per-prompt cap) of the last add
+        self.mutations = 0  # bumped by every change of slots; keys `cache`
+        self.cache: dict[str, tuple] = {}  # samplers' derived tables (see samplers._adv_table)
+
+    # ---------------------------------------------------------------- insertion
+    def add(self, pid: int, prompt_tokens: np.ndarray, tokens: np.ndarray, lengths: np.ndarray,
+            rewards: np.ndarray, logp: np.ndarray, ref: np.ndarray | None, adv: np.ndarray | None,
+            *, version: int, searcher: int, time: float, accept: float) -> tuple[np.ndarray, int]:
+        """Insert one prompt's responses; returns (indices kept before global eviction, stored).
+
+        Order of rules: duplicates inside the batch keep the last copy; a response equal to one
+        already stored replaces it (newest kept); the per-prompt cap drops the oldest; the global
+        cap then evicts. The first index array is what the durable log records, because replaying
+        exactly those responses through this method rebuilds the same state.
+        """
+        lengths = lengths.astype(np.int32, copy=False)
+        hashes = hash_responses(tokens, lengths)
+        starts = np.cumsum(lengths, dtype=np.int64) - lengths
+        keep = self._last_copies(hashes, tokens, starts, lengths)
+        cap, n_distinct = self.per_prompt_capacity, keep.size
+        if keep.size > cap:
+            self.counters["rejected"] += int(keep.size - cap)
+            keep = keep[keep.size - cap:]
+        self.last_dropped = (int(lengths.size - n_distinct), int(n_distinct - keep.size))
+        entry = self.prompts.get(pid)
+        if entry is not None and entry.slots.size:
+            self._drop_stored_copies(entry, hashes[keep], tokens, starts[keep], lengths[keep])
+        if entry is None:
+            entry = self._new_prompt(pid, prompt_tokens)
+        overflow = entry.slots.size + keep.size - cap
+        if overflow > 0:
+            self._kill(entry.slots[:overflow])
+            self.counters["evicted"] += int(overflow)
+            entry.slots = entry.slots[overflow:]
+        new = self._append(pid, tokens, starts[keep], lengths[keep], hashes[keep], rewards[keep],
+                           logp, ref, None if adv is None else adv[keep],
+                           version=version, searcher=searcher, time=time, accept=accept)
+        entry.slots = np.concatenate([entry.slots, new])
+        self.counters["added"] += int(keep.size)
+        self._evict_global()
+        stored = int(self.s["alive"][new].sum())
+        self._maybe_compact()
+        return keep, stored
+
+    def _last_copies(self, hashes: np.ndarray, tokens: np.ndarray, starts: np.ndarray,
+                     lengths: np.ndarray) -> np.ndarray:
+        """Indices of the responses to keep: the last copy of each distinct one, in batch order."""
+        n = hashes.size
+        _, first_rev = np.unique(hashes[::-1], return_index=True)
+        if first_rev.size == n:
+            return np.arange(n)
+        keep = np.zeros(n, dtype=bool)
+        keep[n - 1 - first_rev] = True
+        for i in np.flatnonzero(~keep):  # confirm by content: a hash collision keeps both
+            later = [j for j in range(i + 1, n) if hashes[j] == hashes[i]]
+            if not any(_same(tokens, starts[i], lengths[i], tokens, starts[j], lengths[j])
+                       for j in later):
+                keep[i] = True
+        self.counters["duplicates"] += int(n - keep.sum())
+        return np.flatnonzero(keep)
+
+    def _drop_stored_copies(self, entry: Prompt, hashes: np.ndarray, tokens: np.ndarray,
+                            starts: np.ndarray, lengths: np.ndarray) -> None:
+        """Kill stored responses of this prompt that a new response duplicates exactly."""
+        old_h = self.s["hash"][entry.slots]
+        hit_new, hit_old = np.nonzero(hashes[:, None] == old_h[None, :])
+        if hit_new.size == 0:
+            return
+        dead = [int(entry.slots[o]) for i, o in zip(hit_new, hit_old)
+                if _same(tokens, starts[i], lengths[i], self.tok,
+                         self.s["off"][entry.slots[o]], self.s["len"][entry.slots[o]])]
+        if dead:
+            self._kill(np.asarray(dead, dtype=np.int64))
+            self.counters["duplicates"] += len(dead)
+            entry.slots = entry.slots[self.s["alive"][entry.slots]]
+
+    def _append(self, pid: int, tokens: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
+                hashes: np.ndarray, rewards: np.ndarray, logp: np.ndarray, ref: np.ndarray | None,
+                adv: np.ndarray | None, *, version: int, searcher: int, time: float,
+                accept: float) -> np.ndarray:
+        """Copy kept responses into the pools; returns their new slot indices."""
+        n, total = lengths.size, int(lengths.sum())
+        self._reserve(n, total, has_ref=ref is not None)
+        src: slice | np.ndarray = slice(None)  # nothing dropped: copy the flat arrays as they are
+        if total != tokens.size:
+            src = np.repeat(starts - np.cumsum(lengths, dtype=np.int64) + lengths, lengths) \
+                + np.arange(total, dtype=np.int64)
+        t0, t1 = self.n_tok, self.n_tok + total
+        self.tok[t0:t1] = tokens[src]
+        self.logp[t0:t1] = logp[src]
+        if ref is not None:
+            self.ref[t0:t1] = ref[src]
+        slots = np.arange(self.n_slots, self.n_slots + n, dtype=np.int64)
+        s, a, b = self.s, self.n_slots, self.n_slots + n
+        s["pid"][a:b], s["len"][a:b], s["hash"][a:b] = pid, lengths, hashes
+        s["off"][a:b] = t0 + np.cumsum(lengths, dtype=np.int64) - lengths
+        s["reward"][a:b] = rewards
+        s["adv"][a:b] = np.nan if adv is None else adv
+        s["version"][a:b], s["searcher"][a:b] = version, searcher
+        s["time"][a:b], s["accept"][a:b] = time, accept
+        s["alive"][a:b], s["has_ref"][a:b] = True, ref is not None
+        self.n_slots, self.n_tok, self.alive = b, t1, self.alive + n
+        self.mutations += 1
+        if self.eviction == "lowest_reward":
+            self._track_low(slots)
+        return slots
+
+    def _reserve(self, n: int, total: int, *, has_ref: bool) -> None:
+        if self.n_slots + n > self.s["pid"].size:
+            size = max(self.n_slots + n, _next_size(self.s["pid"].size))
+            for k, arr in self.s.items():
+                self.s[k] = _grown(arr, size, self.n_slots)
+        if self.n_tok + total > self.tok.size:
+            size = max(self.n_tok + total, _next_size(self.tok.size))
+            self.tok = _grown(self.tok, size, self.n_tok)
+            self.logp = _grown(self.logp, size, self.n_tok)
+            if self.ref.size:
+                self.ref = _grown(self.ref, size, self.n_tok)
+        if has_ref and self.ref.size < self.tok.size:  # first reference log-probs: allocate now
+            self.ref = _grown(self.ref, self.tok.size, 0)
+
+    # ---------------------------------------------------------------- removal
+    def _new_prompt(self, pid: int, prompt_tokens: np.ndarray) -> Prompt:
+        toks = np.array(prompt_tokens, dtype=np.int32)
+        toks.flags.writeable = False  # shared by every sampled row of this prompt
+        entry = Prompt(toks, np.zeros(0, dtype=np.int64))
+        self.prompts[pid] = entry
+        self.pos[pid] = len(self.order)
+        self.order.append(pid)
+        return entry
+
+    def _remove_prompt(self, pid: int) -> None:
+        del self.prompts[pid]
+        i = self.pos.pop(pid)
+        last = self.order.pop()
+        if last != pid:
+            self.order[i] = last
+            self.pos[last] = i
+
+    def _kill(self, slots: np.ndarray) -> None:
+        self.mutations += 1
+        self.s["alive"][slots] = False
+        self.alive -= int(slots.size)
+        self.dead_tok += int(self.s["len"][slots].sum())
+
+    def _evict_global(self) -> None:
+        excess = self.alive - self.capacity if self.capacity else 0
+        if excess <= 0:
+            return
+        alive = self.s["alive"]
+        idx = self._oldest(excess) if self.eviction == "oldest" else self._lowest_reward(excess)
+        self._kill(idx)
+        self.counters["evicted"] += int(idx.size)
+        for pid in np.unique(self.s["pid"][idx]).tolist():
+            entry = self.prompts[pid]
+            entry.slots = entry.slots[alive[entry.slots]]
+            if entry.slots.size == 0:
+                self._remove_prompt(pid)
+
+    def _oldest(self, count: int) -> np.ndarray:
+        """The `count` oldest live slots: a forward scan from `head` in growing windows."""
+        width = 4 * count + 64
+        while True:
+            end = min(self.head + width, self.n_slots)
+            idx = np.flatnonzero(self.s["alive"][self.head:end])[:count] + self.head
+            if idx.size == count or end == self.n_slots:
+                self.head = int(idx[-1]) + 1
+                return idx
+            width *= 4
+
+    def _lowest_reward(self, count: int) -> np.ndarray:
+        """The `count` lowest-reward live slots, ties to the oldest.
+
+        Amortised: `_low` holds every live slot with reward <= `_low_t`, sorted by (reward,
+        slot), so an eviction pops its front; an O(live) partition refills it only when it runs
+        out. New slots are the newest, so one inserted after its equals keeps the order exact.
+        """
+        live = self._low[self.s["alive"][self._low]]
+        if live.size < count:
+            self._refill_low(count)
+            live = self._low[self.s["alive"][self._low]]
+        self._low = live[count:]
+        return np.sort(live[:count])
+
+    def _refill_low(self, count: int) -> None:
+        live = np.flatnonzero(self.s["alive"][:self.n_slots])
+        r = self.s["reward"][live]
+        m = min(live.size, max(4 * count, 1024))
+        self._low_t = float(np.partition(r, m - 1)[m - 1])
+        sel = live[r <= self._low_t]
+        self._low = sel[np.lexsort((sel, self.s["reward"][sel]))]
+
+    def _track_low(self, slots: np.ndarray) -> None:
+        """Insert new slots whose reward is within the low pool's threshold."""
+        r = self.s["reward"][slots]
+        new = slots[r <= self._low_t]
+        if new.size:
+            new_r = self.s["reward"][new]
+            order = np.argsort(new_r, kind="stable")  # (reward, slot) order among themselves
+            at = np.searchsorted(self.s["reward"][self._low], new_r[order], side="right")
+            self._low = np.insert(self._low, at, new[order])
+
+    def _maybe_compact(self) -> None:
+        if self.dead_tok > _COMPACT_FRACTION * self.n_tok and self.n_tok > 65536:
+            self.compact()
+
+    def compact(self) -> np.ndarray:
+        """Squeeze out dead slots and tokens, keeping order; returns the old -> new slot map."""
+        n = self.n_slots
+        self.mutations += 1
+        live = np.flatnonzero(self.s["alive"][:n])
+        remap = np.full(n, -1, dtype=np.int64)
+        remap[live] = np.arange(live.size)
+        lens = self.s["len"][live].astype(np.int64)
+        # the pool holds slots' tokens back to back in slot order, so a mask selects the live ones
+        # New arrays keep the allocated size: under a global cap the buffer then stops growing.
+        keep = np.repeat(self.s["alive"][:n], self.s["len"][:n])
+        self.tok, self.logp = _packed(self.tok, keep), _packed(self.logp, keep)
+        self.ref = _packed(self.ref, keep) if self.ref.size else self.ref
+        for k, arr in self.s.items():
+            self.s[k] = _packed(arr, live)
+        self.s["off"][:live.size] = np.cumsum(lens) - lens
+        self.n_slots, self.n_tok, self.dead_tok, self.head = live.size, int(lens.sum()), 0, 0
+        for entry in self.prompts.values():
+            entry.slots = remap[entry.slots]
+        self.marks = [int((remap[:b] >= 0).sum()) for b in self.marks]
+        low = remap[self._low]
+        self._low = low[low >= 0]
+        return remap
+
+    # ---------------------------------------------------------------- reading
+    def gather_index(self, slots: np.ndarray) -> np.ndarray:
+        """Pool indices of the concatenated tokens of `slots`."""
+        lens = self.s["len"][slots].astype(np.int64)
+        if lens.size == 0:
+            return np.zeros(0, dtype=np.int64)
+        return np.repeat(self.s["off"][slots] - (np.cumsum(lens) - lens), lens) \
+            + np.arange(int(lens.sum()), dtype=np.int64)
+
+    def live_slots(self) -> np.ndarray:
+        return np.flatnonzero(self.s["alive"][:self.n_slots])
+
+    def resident_bytes(self) -> int:
+        """Bytes held by the arrays (allocated capacity, not just used) plus prompt entries."""
+        arrays = sum(a.nbytes for a in self.s.values()) + self.tok.nbytes + self.logp.nbytes \
+            + self.ref.nbytes
+        prompts = sum(e.tokens.nbytes + e.slots.nbytes + 200 for e in self.prompts.values())
+        return int(arrays + prompts + 100 * len(self.order))
+
+
+def _packed(arr: np.ndarray, select: np.ndarray) -> np.ndarray:
+    """arr[:len(select)][select] (mask) or arr[select] (indices) in an array of arr's size."""
+    picked = arr[:select.size][select] if select.dtype == np.bool_ else arr[select]
+    out = np.zeros(arr.size, dtype=arr.dtype)
+    out[:picked.size] = picked
+    return out
+
+
+def _next_size(size: int) -> int:
+    return max(4096, 2 * size if size < _SMALL else int(size * _GROWTH))
+
+
+def _grown(arr: np.ndarray, size: int, used: int) -> np.ndarray:
+    out = np.zeros(size, dtype=arr.dtype)
+    out[:used] = arr[:used]
+    return out
+
+
+def _same(a: np.ndarray, sa: int, la: int, b: np.ndarray, sb: int, lb: int) -> bool:
+    return bool(la == lb and np.array_equal(a[sa:sa + la], b[sb:sb + lb]))
