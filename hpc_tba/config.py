@@ -109,7 +109,8 @@ def _one_line(e: BaseException) -> str:
     key = re.search(r"full_key: (\S+)", str(root))
     m = re.match(r"Could not override '([^']+)'", msg) or re.match(r"Key '([^']+)' not in", msg)
     if m:
-        return f"unknown config key {m.group(1) if m.re.pattern.startswith('Could') else (key.group(1) if key else m.group(1))!r}"
+        name = m.group(1) if m.re.pattern.startswith("Could") or key is None else key.group(1)
+        return f"unknown config key {name!r}"
     if "Config search path" in str(e):
         msg = str(e).split("Config search path")[0].strip()
     msg = " ".join(msg.split())

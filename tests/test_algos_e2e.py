@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import HPC_TBA, REPO
 
 SHORT = ["learner.total_steps=3", "learner.eval_every=0", "buffer.warm_start=50",

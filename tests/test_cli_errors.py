@@ -2,7 +2,6 @@
 import subprocess
 
 import pytest
-
 from conftest import HPC_TBA
 
 

@@ -14,7 +14,6 @@ import time
 
 import psutil
 import pytest
-
 from conftest import HPC_TBA
 
 COMMON = ["learner.eval_every=0", "buffer.warm_start=100", "learner.export_final=false"]

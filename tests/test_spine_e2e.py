@@ -9,7 +9,6 @@ import subprocess
 
 import numpy as np
 import pytest
-
 from conftest import HPC_TBA
 
 STEPS, SYNC_EVERY = 16, 2

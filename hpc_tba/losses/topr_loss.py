@@ -6,7 +6,8 @@
     ℓ  = −α · (R − c) · S / |y|                          (/|y| when length_normalize)
 
 The split into positives and negatives uses the raw reward R (R ≥ positive_threshold, 0 by
-default); the baseline c only shifts the multiplier (R − c). One function covers the family (pos_clip = (a+, b+), neg_clip = (a−, b−)):
+default); the baseline c only shifts the multiplier (R − c). One function covers the family
+(pos_clip = (a+, b+), neg_clip = (a−, b−)):
 
 | setting                     | pos_clip    | neg_clip    |
 |-----------------------------|-------------|-------------|
