@@ -132,11 +132,15 @@ def _searcher(cfg: RunConfig, transport, topo: Topology, groups, model_path: str
     device = "cuda" if groups.backend == "nccl" else "cpu"
     if device == "cpu":
         configure_cpu_env(core=None, kv_cache_mb=cfg.searcher.kv_cache_mb)
-    engine = VLLMEngine(model_path, cfg.searcher, seed=cfg.searcher.seed + index, device=device)
+    def engine_factory() -> VLLMEngine:
+        return VLLMEngine(model_path, cfg.searcher, seed=cfg.searcher.seed + index, device=device)
+
+    engine = engine_factory()
     setup = transport.bcast_json(None)
     receiver = WeightReceiver(Manifest.from_json(setup["manifest"]), groups.sync_group, device=device)
     searcher = Searcher(cfg=cfg.searcher, task=task, engine=engine, receiver=receiver,
-                        transport=transport, topo=topo, index=index, run_dir=cfg.run_dir)
+                        transport=transport, topo=topo, index=index, run_dir=cfg.run_dir,
+                        engine_factory=engine_factory)
     searcher.probe = setup["probe"]
     searcher.resumed = setup["resumed_step"] > 0
     return searcher

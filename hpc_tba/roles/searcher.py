@@ -6,10 +6,20 @@ samples for each of the next prompts of this searcher's slice, score them, and s
 samples, stamped with the engine's version, to the buffer shard that owns the prompt. Sends are
 non-blocking and overlap the next round. On STOP it finishes the round, flushes its sends and
 tells every learner how many trajectories it sent there (DONE), so nothing is left in flight.
+
+Engine faults: if the engine raises (a crashed worker, an out-of-memory, a CUDA error), the
+searcher discards it, builds a new one from `engine_factory`, reloads the newest weights it has
+applied (so it is back on the current version), and carries on; that round's samples are dropped
+(nothing had been sent). The learner never notices beyond a gap in this searcher's traffic.
+After `max_engine_restarts` consecutive failures the searcher gives up and the rank fails.
+Fault injection for tests: HPC_TBA_FAULT_ENGINE_ROUNDS="3,7" raises inside rounds 3 and 7.
 """
 from __future__ import annotations
 
+import os
+import sys
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -26,8 +36,14 @@ from hpc_tba.topology import Topology
 class Searcher:
     def __init__(self, *, cfg: SearcherConfig, task: Task, engine: VLLMEngine,
                  receiver: WeightReceiver | None, transport: MPITransport, topo: Topology,
-                 index: int, run_dir: str):
+                 index: int, run_dir: str, engine_factory: Callable[[], VLLMEngine] | None = None,
+                 max_engine_restarts: int = 5):
         self.cfg, self.task, self.engine, self.receiver = cfg, task, engine, receiver
+        self.engine_factory = engine_factory
+        self.max_engine_restarts = max_engine_restarts
+        self.restarts, self._failures_in_row = 0, 0
+        self._weights: tuple[int, list] | None = None  # newest applied (version, tensors)
+        self._faults = {int(x) for x in os.environ.get("HPC_TBA_FAULT_ENGINE_ROUNDS", "").split(",") if x}
         self.transport, self.topo, self.index = transport, topo, index
         train = task.prompts("train")
         self.prompts = [train[i] for i in topo.prompts_of_searcher(index, len(train))]
@@ -49,9 +65,32 @@ class Searcher:
         if not self.resumed:
             self.evaluate(self.engine.version)
         while not self.stop_requested():
-            self.apply_weights()
-            self.generate_round()
+            try:
+                self.apply_weights()
+                self.generate_round()
+                self._failures_in_row = 0
+            except Exception as e:  # the engine failed: replace it, keep the searcher alive
+                self.restart_engine(e)
         self.finish()
+
+    def restart_engine(self, error: Exception) -> None:
+        self._failures_in_row += 1
+        if self.engine_factory is None or self._failures_in_row > self.max_engine_restarts:
+            raise error
+        print(f"hpc-tba: searcher {self.index}: engine failed ({type(error).__name__}: {error}); "
+              f"restarting it (restart {self.restarts + 1})", file=sys.stderr, flush=True)
+        t0 = time.time()
+        try:
+            self.engine.close()
+        except Exception:
+            pass
+        self.engine = self.engine_factory()
+        if self._weights is not None:
+            self.engine.load_weights(self._weights[1], self._weights[0])
+        self.restarts += 1
+        self.log.scalars(self.rounds, {"searcher/engine_restarts": self.restarts,
+                                       "searcher/engine_restart_s": time.time() - t0,
+                                       "searcher/version": self.engine.version})
 
     def apply_weights(self) -> None:
         if self.receiver is None:
@@ -60,6 +99,7 @@ class Searcher:
         if staged is not None:
             t0 = time.time()
             self.engine.load_weights(staged.tensors, staged.version)
+            self._weights = (staged.version, staged.tensors)
             self.log.scalars(self.rounds, {"searcher/version": staged.version,
                                            "searcher/weight_apply_s": time.time() - t0})
             if self.probe is not None:
@@ -72,6 +112,9 @@ class Searcher:
         t0 = time.time()
         picks = self._next_prompts(self.cfg.prompts_per_round)
         version = self.engine.version
+        if self.rounds + 1 in self._faults:
+            self._faults.discard(self.rounds + 1)
+            raise RuntimeError(f"injected engine fault in round {self.rounds + 1}")
         outs = self.engine.sample([self.tokens[i] for i in picks], n=self.cfg.samples_per_prompt,
                                   temperature=self.cfg.temperature, max_tokens=self.cfg.max_new_tokens)
         flat_prompts = [self.prompts[i] for i, o in zip(picks, outs) for _ in o]
