@@ -34,3 +34,36 @@ def test_engine_failure_is_survived(tmp_path):
     gaps = summary["sync_logprob_gap"]
     for by_version in gaps.values():  # every engine, old or rebuilt, matches the learner
         assert max(by_version.values()) < 1e-4 and max(int(v) for v in by_version) == STEPS
+
+
+def test_a_lost_rank_ends_the_job_step_promptly(tmp_path):
+    """A rank killed outright must not leave the others hanging: the job step ends (and
+    Slurm's requeue or resume=auto continues it from the last checkpoint, see test_resume)."""
+    import signal
+    import time
+
+    import psutil
+
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([HPC_TBA, "train", "learner.total_steps=200", "learner.eval_every=0",
+                             "buffer.warm_start=100", f"run_dir={run_dir}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.time() + 600
+        metrics = run_dir / "metrics_learner.jsonl"
+        while not (metrics.exists() and "loss/tb" in metrics.read_text()):
+            assert time.time() < deadline and proc.poll() is None
+            time.sleep(0.5)
+        ranks = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                 if "hpc_tba.run" in " ".join(p.cmdline())]
+        searcher = max(ranks, key=lambda p: p.pid)
+        searcher.send_signal(signal.SIGKILL)
+        t0 = time.time()
+        proc.wait(timeout=120)
+        assert proc.returncode != 0
+        assert time.time() - t0 < 60
+        assert not [p for p in ranks if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
