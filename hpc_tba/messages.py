@@ -81,7 +81,7 @@ class TrajectoryBatch:
         return np.frombuffer(header + b"".join(a.tobytes() for a in ints + floats), dtype=np.uint8)
 
     @classmethod
-    def unpack(cls, buf: np.ndarray | bytes) -> "TrajectoryBatch":
+    def unpack(cls, buf: np.ndarray | bytes) -> TrajectoryBatch:
         raw = memoryview(np.asarray(buf, dtype=np.uint8)).cast("B")
         head = struct.calcsize("<IqqidB6q")
         if len(raw) < head:

@@ -9,8 +9,6 @@ with a STOP / DONE handshake that drains every trajectory still in flight.
 """
 from __future__ import annotations
 
-import json
-import os
 import time
 
 import numpy as np
