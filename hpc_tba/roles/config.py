@@ -22,6 +22,8 @@ class LearnerConfig:
     """k: broadcast weights to the searchers every k learner steps (GSM8K: 2)."""
     sync_bucket_mb: float = 64.0
     """Size of one weight-sync bucket in MiB."""
+    sync_wire_dtype: str = "fp32"
+    """dtype of weights on the wire: fp32, or bf16 (half the bytes; for bf16 engines on GPUs)."""
     eval_every: int = 50
     """Held-out evaluation every this many steps (0: only before and after)."""
     log_every: int = 1
@@ -53,6 +55,8 @@ class LearnerConfig:
         if self.checkpoint_every < 0 or self.checkpoint_interval_s < 0 or self.keep_last < 1:
             raise ValueError("learner.checkpoint_every/checkpoint_interval_s must be >= 0 and "
                              "learner.keep_last >= 1")
+        if self.sync_wire_dtype not in ("fp32", "bf16"):
+            raise ValueError(f"learner.sync_wire_dtype={self.sync_wire_dtype!r} must be fp32 or bf16")
         if self.dtype not in ("fp32", "bf16"):
             raise ValueError(f"learner.dtype={self.dtype!r} must be fp32 or bf16")
 

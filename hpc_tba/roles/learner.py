@@ -66,7 +66,7 @@ class Learner:
         self.config_yaml = ""
         self.manifest = Manifest.build(
             [(n, tuple(getattr(p, "ds_shape", p.shape))) for n, p in self.engine.module.named_parameters()],
-            bucket_bytes=int(cfg.sync_bucket_mb * 2**20))
+            bucket_bytes=int(cfg.sync_bucket_mb * 2**20), wire_dtype=cfg.sync_wire_dtype)
         self.sender = WeightSender(self.engine.module, self.manifest, sync_group)
         self.log = RunLogger(run_dir, "learner", enabled=self.is_main, total=cfg.total_steps)
         self.received: dict[int, int] = {}  # searcher rank -> trajectories received

@@ -1,0 +1,177 @@
+"""Weight sync: manifest bucketing, and a real 3-process gloo run (1 sender + 2 receivers).
+
+The sender is a ZeRO-3 module (deepspeed.zero.Init on a world of one learner), so `send` goes
+through the real ZeRO-3 shards (direct gather) or GatheredParameters; the sync group is the standalone gloo group of
+`new_group`, and a second small gloo group carries the test's own handshakes.
+"""
+import json
+import os
+import socket
+import time
+
+import pytest
+import torch
+
+from hpc_tba.comm.weight_sync import FLAG_EVAL, Manifest, wire_dtype_name
+
+SHAPES = [("embed.weight", (64, 16)), ("layers.0.attn.weight", (16, 16)), ("layers.0.norm", (16,)),
+          ("layers.1.attn.weight", (16, 16)), ("layers.1.norm", (16,)), ("head.weight", (64, 16))]
+
+
+def test_manifest_buckets_and_json_round_trip():
+    m = Manifest.build(SHAPES, bucket_bytes=2048)
+    # fp32: the 4096 B embedding alone (larger than a bucket), then 1024 + 64 B pairs, then the head
+    assert m.buckets == ((0,), (1, 2), (3, 4), (5,))
+    assert m.wire_dtype == "float32" and m.total_bytes == 4 * m.numel
+    assert m.bucket_starts == (0, 1024, 1296, 1568, 2592)
+    back = Manifest.from_json(json.loads(json.dumps(m.to_json())))
+    assert back == m and back.bucket_starts == m.bucket_starts
+
+    half = Manifest.build(SHAPES, bucket_bytes=2048, wire_dtype=torch.bfloat16)
+    assert half.wire_dtype == "bfloat16" and half.dtype == torch.bfloat16
+    assert half.buckets == ((0,), (1, 2, 3, 4), (5,))  # two bytes a value: more fits per bucket
+    assert half.total_bytes == 2 * half.numel
+    assert Manifest.from_json(json.loads(json.dumps(half.to_json()))) == half
+
+
+def test_manifest_rejects_bad_input():
+    m = Manifest.build(SHAPES, bucket_bytes=1 << 20)
+    legacy = {k: v for k, v in m.to_json().items() if k != "wire_dtype"}
+    assert Manifest.from_json(legacy).wire_dtype == "float32"  # manifests from before bf16
+    assert wire_dtype_name("bf16") == "bfloat16" and wire_dtype_name(torch.float32) == "float32"
+    with pytest.raises(ValueError, match="wire dtype"):
+        Manifest.build(SHAPES, bucket_bytes=1024, wire_dtype="int8")
+    with pytest.raises(ValueError, match="cover every parameter"):
+        Manifest(m.names, m.shapes, ((0, 1),))
+
+
+class _Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        for name, shape in SHAPES:
+            self.register_parameter(name.replace(".", "_"), torch.nn.Parameter(torch.zeros(shape)))
+
+
+def _named_shapes():
+    return [(n.replace(".", "_"), s) for n, s in SHAPES]
+
+
+def _weights(version: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(version)
+    return [torch.randn(s, generator=g) for _, s in SHAPES]
+
+
+def _barrier(pg) -> None:
+    pg.allreduce([torch.zeros(1)]).wait()
+
+
+def _sender(model, manifest, sync, ctl, out, *, direct):
+    import deepspeed
+
+    from hpc_tba.comm.weight_sync import WeightSender
+
+    sender = WeightSender(model, manifest, sync, direct_gather=direct)
+    assert sender.direct == direct
+
+    def set_weights(v):
+        params = list(model.parameters())
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
+            for p, w in zip(params, _weights(v)):
+                p.data.copy_(w)
+
+    for v in (1, 2, 3):  # one at a time: the receivers check each version
+        set_weights(v)
+        out.setdefault("sent", []).append(sender.send(v, flags=FLAG_EVAL if v == 2 else 0))
+        _barrier(ctl)
+    for v in (4, 5, 6):  # back to back: take() must return only the newest
+        set_weights(v)
+        sender.send(v, flags=FLAG_EVAL if v == 5 else 0)
+    _barrier(ctl)
+    sender.stop()
+    assert out["sent"] == [manifest.total_bytes] * 3
+
+
+def _check(staged, version, dtype):
+    assert staged is not None and staged.version == version
+    want = _weights(version)
+    assert [n for n, _ in staged.tensors] == [n for n, _ in _named_shapes()]
+    for (name, got), w in zip(staged.tensors, want):
+        assert got.dtype == dtype and got.shape == w.shape, name
+        assert torch.equal(got, w.to(dtype)), f"{name} differs in version {version}"
+
+
+def _receiver(manifest, sync, ctl):
+    from hpc_tba.comm.weight_sync import WeightReceiver
+
+    rx = WeightReceiver(manifest, sync)
+    for v in (1, 2, 3):
+        assert rx.wait_for(v, timeout=30), f"version {v} never arrived"
+        staged, evals = rx.take()
+        _check(staged, v, manifest.dtype)
+        assert evals == ([2] if v == 2 else [])
+        _barrier(ctl)
+    _barrier(ctl)
+    assert rx.wait_for(6, timeout=30)
+    staged, evals = rx.take()
+    _check(staged, 6, manifest.dtype)
+    assert evals == [5] and rx.received_versions == [1, 2, 3, 4, 5, 6]
+    assert rx.take() == (None, [])
+    rx.join(timeout=30)
+    assert not rx._thread.is_alive() and rx.stopped and rx.error is None
+
+
+def _worker(rank: int, ports: list[int], result_dir: str) -> None:
+    os.environ.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    from hpc_tba.comm.weight_sync import new_group
+
+    torch.set_num_threads(1)
+    model = None
+    if rank == 0:  # the learner: a default group of one, so ZeRO-3 (and its gathers) work
+        import deepspeed
+
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+        deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False,
+                                   init_method=f"tcp://127.0.0.1:{ports[0]}", rank=0, world_size=1)
+        ds = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
+        with deepspeed.zero.Init(config_dict_or_path=ds):
+            model = _Model()
+        assert all(hasattr(p, "ds_id") for p in model.parameters())
+    sync = new_group(host="127.0.0.1", port=ports[1], rank=rank, size=3, backend="gloo",
+                     timeout_s=60)
+    ctl = new_group(host="127.0.0.1", port=ports[2], rank=rank, size=3, backend="gloo",
+                    timeout_s=60)
+    # direct: all-gather from the ZeRO-3 shards into the staging slot; else GatheredParameters
+    for dtype, direct in [(torch.float32, True), (torch.bfloat16, True), (torch.float32, False),
+                          (torch.bfloat16, False)]:
+        manifest = Manifest.build(_named_shapes(), bucket_bytes=2048, wire_dtype=dtype)
+        if rank == 0:
+            _sender(model, manifest, sync, ctl, {}, direct=direct)
+        else:
+            _receiver(manifest, sync, ctl)
+        _barrier(ctl)
+    open(os.path.join(result_dir, f"ok{rank}"), "w").close()
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def test_three_process_gloo_sync(tmp_path):
+    import torch.multiprocessing as mp
+
+    ctx = mp.spawn(_worker, args=(_free_ports(3), str(tmp_path)), nprocs=3, join=False)
+    deadline = time.time() + 90
+    try:
+        while not ctx.join(timeout=1):
+            assert time.time() < deadline, "weight-sync processes hung"
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+    assert sorted(os.listdir(tmp_path)) == ["ok0", "ok1", "ok2"]
