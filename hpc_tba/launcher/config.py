@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 BACKENDS = ("local", "slurm")
+# Slurm's --time forms: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S.
+_TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")
 
 
 @dataclasses.dataclass
@@ -22,6 +25,38 @@ class ClusterConfig:
     """torch.distributed backend for ZeRO-3 and weight sync: auto (nccl on GPU, else gloo)."""
     mpiexec: str = "mpiexec"
     """MPI launcher for backend=local."""
+    pin_cores: bool = True
+    """backend=local: pin each rank to cores (learners get their own core first)."""
+    nodes: int = 1
+    """Nodes in the Slurm allocation (learners on whole nodes first, then searcher engines)."""
+    gpus_per_node: int = 0
+    """GPUs per node (0: CPU nodes); a learner rank takes one, a searcher engine its TP size."""
+    ranks_per_node: int = 0
+    """CPU nodes only: rank slots per node (0: all ranks on one node)."""
+    gpu_memory_gb: float = 80.0
+    """Memory of one GPU in GB (10^9 bytes), for the planner."""
+    cpu_memory_gb: float = 0.0
+    """Host memory per node in GB for the planner's CPU-offload check (0: not checked)."""
+    partition: str = ""
+    """Slurm partition (--partition); empty: the site default."""
+    account: str = ""
+    """Slurm account (--account); empty: the user's default."""
+    time: str = "01:00:00"
+    """Slurm time limit (--time), e.g. 2-00:00:00."""
+    signal_grace_s: int = 300
+    """Seconds before the time limit Slurm sends USR1 (--signal): time to checkpoint and requeue."""
+    requeue: bool = True
+    """Requeue the job after preemption or a USR1 checkpoint (--requeue)."""
+    exclusive: bool = False
+    """Ask for whole nodes (--exclusive); GPU presets set it."""
+    mpi: str = "pmi2"
+    """srun --mpi plugin matching the MPI that mpi4py uses (pmi2 for MPICH, pmix for Open MPI)."""
+    shared_dir: str = ""
+    """Shared filesystem root for run directories on Slurm; empty: the submit directory."""
+    setup: str = ""
+    """Shell lines the sbatch script runs before srun (module load, venv activation)."""
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Extra environment for every rank (e.g. NCCL_SOCKET_IFNAME, NCCL_IB_HCA)."""
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -30,6 +65,20 @@ class ClusterConfig:
             raise ValueError("cluster.num_learners must be >= 1: someone has to train")
         if self.num_searchers < 0:
             raise ValueError("cluster.num_searchers must be >= 0")
+        if self.nodes < 1:
+            raise ValueError(f"cluster.nodes={self.nodes} must be >= 1")
+        if self.gpus_per_node < 0 or self.ranks_per_node < 0:
+            raise ValueError("cluster.gpus_per_node and cluster.ranks_per_node must be >= 0")
+        if self.nodes > 1 and not (self.gpus_per_node or self.ranks_per_node):
+            raise ValueError(f"cluster.nodes={self.nodes}: set cluster.gpus_per_node (GPU nodes) "
+                             "or cluster.ranks_per_node (CPU nodes) so ranks can be placed")
+        if self.signal_grace_s < 0:
+            raise ValueError(f"cluster.signal_grace_s={self.signal_grace_s} must be >= 0")
+        if not _TIME.match(self.time):
+            raise ValueError(f"cluster.time={self.time!r} is not a Slurm time (e.g. 04:00:00, "
+                             "2-00:00:00, 90)")
+        if self.gpu_memory_gb <= 0:
+            raise ValueError(f"cluster.gpu_memory_gb={self.gpu_memory_gb} must be > 0")
 
     @property
     def world_size(self) -> int:

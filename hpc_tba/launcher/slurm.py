@@ -1,0 +1,388 @@
+"""All Slurm knowledge of hpc_tba: the SLURM_* environment, sbatch text, srun lines, USR1, requeue.
+
+Why one module: a site's Slurm differs in a handful of details (MPI plugin, GPU flags, signal
+semantics); keeping them here means the rest of the code only sees a `SlurmEnv` and a flag.
+
+Job life cycle (the submitit protocol, without submitit):
+  sbatch slurm/<name>.sh  ->  srun --mpi=pmi2 places ranks by the topology (arbitrary distribution
+  from a host file)  ->  every rank runs `python -m hpc_tba.run <overrides>`  ->  `--signal=USR1@g`
+  reaches every rank g seconds before the time limit  ->  the handler only sets a flag  ->  roles
+  see it at a step boundary, checkpoint, and rank 0 calls `requeue()`  ->  Slurm restarts the same
+  job id (SLURM_RESTART_COUNT + 1) on the same run directory, which resumes from the checkpoint.
+
+`python -m hpc_tba.launcher.slurm sbatch <overrides>` prints a script; `... write-scripts`
+regenerates slurm/*.sh (a test checks they equal the generator's output).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from hpc_tba.topology import LayoutError, Topology
+
+if TYPE_CHECKING:
+    from hpc_tba.config import RunConfig
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPTS_DIR = REPO / "slurm"
+# The scripts shipped in slurm/: name -> the Hydra overrides baked into it.
+PRESETS: dict[str, tuple[str, ...]] = {
+    "tba_70b": ("+experiment=tba_70b",),
+    "tba_8b": ("+experiment=tba_8b",),
+    "tiny_cpu": ("cluster=slurm_cpu",),
+}
+
+
+# ---- the environment a rank sees ------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class SlurmEnv:
+    """What Slurm tells one task about its job (srun/sbatch set these variables)."""
+
+    job_id: str
+    """SLURM_JOB_ID; unchanged by a requeue, so it names the run directory."""
+    node_list: tuple[str, ...]
+    """Hostnames of the allocation in Slurm's order (SLURM_JOB_NODELIST expanded)."""
+    node_name: str
+    """This task's node (SLURMD_NODENAME; a virtual node's name on the test cluster)."""
+    node_id: int
+    """Index of this task's node in the step's node list (SLURM_NODEID)."""
+    proc_id: int
+    """Global task rank in the step (SLURM_PROCID); equals the MPI rank under srun --mpi."""
+    ntasks: int
+    """Tasks in the step (SLURM_NTASKS)."""
+    local_id: int
+    """Task index on its node (SLURM_LOCALID)."""
+    restart_count: int
+    """How many times the job was requeued (SLURM_RESTART_COUNT, 0 on the first run)."""
+    submit_dir: str
+    """Directory sbatch was called from (SLURM_SUBMIT_DIR)."""
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> SlurmEnv | None:
+        """The Slurm view of this process, or None outside a Slurm job."""
+        env = os.environ if environ is None else environ
+        job_id = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
+        if not job_id:
+            return None
+        nodes = expand_nodelist(env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", ""))
+        return cls(
+            job_id=job_id,
+            node_list=tuple(nodes),
+            node_name=env.get("SLURMD_NODENAME", ""),
+            node_id=int(env.get("SLURM_NODEID", 0)),
+            proc_id=int(env.get("SLURM_PROCID", 0)),
+            ntasks=int(env.get("SLURM_NTASKS") or env.get("SLURM_NPROCS") or 1),
+            local_id=int(env.get("SLURM_LOCALID", 0)),
+            restart_count=int(env.get("SLURM_RESTART_COUNT", 0)),
+            submit_dir=env.get("SLURM_SUBMIT_DIR", ""),
+        )
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Expand Slurm's compressed host list ("gpu[001-003,007],login1") without calling scontrol."""
+    hosts: list[str] = []
+    for prefix, ranges, suffix in re.findall(r"([^,\[]+)(?:\[([^\]]+)\])?([^,\[]*)", nodelist):
+        if not ranges:
+            hosts.append(prefix + suffix)
+            continue
+        for part in ranges.split(","):
+            lo, _, hi = part.partition("-")
+            width = len(lo)
+            for i in range(int(lo), int(hi or lo) + 1):
+                hosts.append(f"{prefix}{i:0{width}d}{suffix}")
+    return hosts
+
+
+def check_placement(topology: Topology, rank: int, env: SlurmEnv | None) -> None:
+    """Fail fast, in words, when srun's placement disagrees with the topology the config builds.
+
+    Catches an sbatch script whose #SBATCH lines no longer match the config it is run with.
+    """
+    if env is None:
+        return
+    if env.ntasks != topology.world_size:
+        raise LayoutError(
+            f"the job step has {env.ntasks} tasks but the config's layout needs "
+            f"{topology.world_size}; regenerate the sbatch script from this config")
+    if topology.slots_per_node and env.node_id != topology.node_of(rank):
+        raise LayoutError(
+            f"rank {rank} runs on node index {env.node_id} ({env.node_name}) but the topology "
+            f"places it on node {topology.node_of(rank)}; was srun given the host file?")
+
+
+def cuda_visible_devices(topology: Topology, rank: int) -> str:
+    """CUDA_VISIBLE_DEVICES for a rank: its learner GPU, or the TP group of its engine."""
+    return ",".join(str(d) for d in topology.devices_of(rank))
+
+
+# ---- preemption: USR1 -> flag -> checkpoint -> requeue --------------------------------------
+class PreemptionFlag:
+    """Set from a signal handler; roles poll `is_set()` at step boundaries and checkpoint.
+
+    The handler does nothing else: checkpointing inside a signal handler would run in the middle
+    of a collective. Thread-safe (a threading.Event), so helper threads may wait on it too.
+    """
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self.signum: int | None = None
+        self.received_at: float | None = None
+
+    def set(self, signum: int) -> None:
+        self.signum, self.received_at = signum, time.time()
+        self._event.set()
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._event.wait(timeout)
+
+
+def preemption_signals(environ: Mapping[str, str] | None = None) -> tuple[int, ...]:
+    """USR1 (our sbatch scripts' --signal), plus submitit's signal under a submitit Slurm job."""
+    env = os.environ if environ is None else environ
+    sigs = [signal.SIGUSR1]
+    if env.get("SUBMITIT_EXECUTOR") == "slurm":
+        name = env.get("SUBMITIT_PREEMPT_SIGNAL", "USR2")
+        sigs.append(getattr(signal, f"SIG{name}"))
+    return tuple(dict.fromkeys(sigs))
+
+
+def install_preemption_handler(signals: Sequence[int] | None = None) -> PreemptionFlag:
+    """Route Slurm's `--signal=USR1@grace` (and submitit's signal) to a PreemptionFlag.
+
+    Call from the main thread of each rank, once, before the run loop. Under submitit this
+    replaces submitit's own handler, so every role checkpoints before rank 0 requeues.
+    """
+    signals = preemption_signals() if signals is None else signals
+    flag = PreemptionFlag()
+
+    def _handler(signum: int, _frame: object) -> None:
+        flag.set(signum)
+
+    for sig in signals:
+        signal.signal(sig, _handler)
+    return flag
+
+
+def requeue(job_id: str | None = None, *, scontrol: str = "scontrol") -> None:
+    """Ask Slurm to requeue this job (same job id, SLURM_RESTART_COUNT + 1).
+
+    Call after every rank has written its checkpoint (rank 0 is enough): Slurm then kills all
+    tasks, so nothing after this call is guaranteed to run. A second call from another rank
+    finds the job already requeued ("pending execution") and returns quietly.
+    """
+    job_id = job_id or os.environ.get("SLURM_JOB_ID")
+    if not job_id:
+        raise RuntimeError("requeue() outside a Slurm job: no SLURM_JOB_ID")
+    out = subprocess.run([scontrol, "requeue", job_id], capture_output=True, text=True)
+    if out.returncode and "pending" not in out.stderr.lower():
+        raise RuntimeError(f"scontrol requeue {job_id} failed: {out.stderr.strip()}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RankContext:
+    """What `setup_rank` hands the entry point."""
+
+    topology: Topology
+    env: SlurmEnv | None
+    preemption: PreemptionFlag
+
+
+def setup_rank(cfg: RunConfig, rank: int, world_size: int) -> RankContext:
+    """Everything Slurm-specific a rank does before building its role, in one call.
+
+    Builds the placement-aware topology, checks srun placed this rank where the topology says,
+    pins GPU ranks to their devices (CUDA_VISIBLE_DEVICES, before CUDA is initialised), and
+    installs the USR1/submitit preemption handler. Off Slurm it only builds the topology.
+    """
+    topo = topology_of(cfg)
+    if topo.world_size != world_size:
+        raise LayoutError(f"the job has {world_size} ranks but the config's layout needs "
+                          f"{topo.world_size}")
+    env = SlurmEnv.from_environ()
+    check_placement(topo, rank, env)
+    if env is not None and cfg.cluster.gpus_per_node:
+        os.environ["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices(topo, rank)
+    return RankContext(topo, env, install_preemption_handler())
+
+
+# ---- command lines and sbatch text -----------------------------------------------------------
+def topology_of(cfg: RunConfig) -> Topology:
+    """The layout a run config builds on Slurm (the same call the ranks make)."""
+    return Topology.from_cluster(cfg.cluster, tp_size=cfg.searcher.tensor_parallel_size,
+                                 needs_searchers=cfg.cluster.num_searchers > 0)
+
+
+def srun_command(cfg: RunConfig, overrides: Sequence[str], *, python: str = "python",
+                 extra_args: Sequence[str] = ()) -> list[str]:
+    """srun line that starts every rank of `cfg` on the entry point (inside an allocation).
+
+    Ranks are placed by the host file in SLURM_HOSTFILE (see `hostfile_lines`), because learner
+    nodes and searcher nodes run different numbers of tasks.
+    """
+    c = cfg.cluster
+    return ["srun", f"--mpi={c.mpi}", "--distribution=arbitrary",
+            f"--ntasks={c.world_size}", f"--cpus-per-task={c.threads_per_rank}",
+            "--kill-on-bad-exit=1", *extra_args,
+            python, "-m", "hpc_tba.run", *overrides]
+
+
+def hostfile_lines(topology: Topology, hosts: Sequence[str]) -> list[str]:
+    """One host per rank, in rank order: what srun --distribution=arbitrary reads."""
+    if len(hosts) < topology.num_nodes:
+        raise LayoutError(f"the allocation has {len(hosts)} nodes, the layout needs "
+                          f"{topology.num_nodes}")
+    return [hosts[topology.node_of(r)] for r in range(topology.world_size)]
+
+
+def sbatch_header(cfg: RunConfig, name: str) -> list[str]:
+    """#SBATCH lines for a config: nodes, tasks, GPUs, time, USR1 grace, requeue."""
+    c, topo = cfg.cluster, topology_of(cfg)
+    lines = [f"--job-name={name}", f"--nodes={c.nodes}",
+             f"--ntasks-per-node={max(topo.tasks_per_node)}",
+             f"--cpus-per-task={c.threads_per_rank}"]
+    if c.gpus_per_node:
+        lines.append(f"--gpus-per-node={c.gpus_per_node}")
+    lines += [f"--time={c.time}", f"--signal=USR1@{c.signal_grace_s}"]
+    lines.append("--requeue" if c.requeue else "--no-requeue")
+    lines += ["--open-mode=append", "--output=%x-%j.out"]
+    if c.exclusive:
+        lines.append("--exclusive")
+    if c.partition:
+        lines.append(f"--partition={c.partition}")
+    if c.account:
+        lines.append(f"--account={c.account}")
+    return [f"#SBATCH {line}" for line in lines]
+
+
+def env_exports(cfg: RunConfig) -> list[str]:
+    """`export` lines every rank's environment needs (threads, DeepSpeed ops, NCCL, cluster.env)."""
+    c = cfg.cluster
+    threads = str(c.threads_per_rank)
+    env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "PYTHONUNBUFFERED": "1",
+           "TOKENIZERS_PARALLELISM": "false",
+           # DeepSpeed's compiled ops, built once by tools/install.sh, shared by every rank.
+           "TORCH_EXTENSIONS_DIR": "${TORCH_EXTENSIONS_DIR:-$HOME/.cache/hpc_tba/torch_extensions}"}
+    if not c.gpus_per_node:
+        env["DS_ACCELERATOR"] = "cpu"
+    if c.gpus_per_node:
+        # NCCL: surface errors instead of hanging on them; let a site pin interfaces in cluster.env.
+        env |= {"NCCL_DEBUG": "${NCCL_DEBUG:-WARN}", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+                "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    env |= dict(sorted(c.env.items()))
+    return [f'export {k}="{v}"' for k, v in env.items()]
+
+
+def _layout_comment(cfg: RunConfig) -> str:
+    c, topo = cfg.cluster, topology_of(cfg)
+    unit = f"{c.gpus_per_node} GPUs" if c.gpus_per_node else f"{c.ranks_per_node or 'all'} rank slots"
+    return (f"# Layout (hpc_tba.topology): {c.nodes} nodes x {unit}; {c.num_learners} learner ranks "
+            f"on {topo.learner_nodes} node(s), {c.num_searchers} searcher engine(s) "
+            f"x TP {topo.tp_size} on {topo.searcher_nodes} node(s).")
+
+
+def _sh(arg: str) -> str:
+    """Shell-quote an argument, leaving $VARS expandable."""
+    return f'"{arg}"' if "$" in arg else shlex.quote(arg)
+
+
+def sbatch_script(cfg: RunConfig, overrides: Sequence[str], *, name: str) -> str:
+    """The full sbatch script for a config composed from `overrides` (golden-tested)."""
+    c, topo = cfg.cluster, topology_of(cfg)
+    srun = srun_command(cfg, [*overrides, "run_dir=$RUN_DIR"], python="$PYTHON")
+    cut = srun.index("$PYTHON")
+    srun_text = (" ".join(_sh(a) for a in srun[:cut]) + " \\\n  "
+                 + " ".join(_sh(a) for a in srun[cut:]) + ' "$@"')
+    preset = " ".join(overrides)
+    head = [
+        "#!/bin/bash",
+        f"# {name}: generated by `python -m hpc_tba.launcher.slurm` from `{preset}`.",
+        "# Do not edit by hand: change the config, regenerate (tests check the two agree).",
+        f"#   sbatch slurm/{name}.sh [hydra overrides for the run, e.g. learner.lr=1e-6]",
+        "# Overrides that change the layout need a regenerated script:",
+        f"#   python -m hpc_tba.launcher.slurm sbatch {preset} cluster.nodes=... > my.sh",
+        _layout_comment(cfg),
+        *sbatch_header(cfg, name),
+        "set -euo pipefail",
+    ]
+    setup = [c.setup.rstrip()] if c.setup.strip() else []
+    body = [
+        "",
+        "# Run directory on the shared filesystem. A requeued job keeps its job id, so it finds",
+        "# its checkpoint, buffer segments and TensorBoard events here and resumes.",
+        'SHARED="${HPC_TBA_SHARED:-' + (c.shared_dir or "$SLURM_SUBMIT_DIR") + '}"',
+        f'RUN_DIR="${{HPC_TBA_RUN_DIR:-$SHARED/runs/{name}-$SLURM_JOB_ID}}"',
+        'mkdir -p "$RUN_DIR"',
+        'PYTHON="${HPC_TBA_PYTHON:-python}"',
+        *setup,
+        "# torch.distributed rendezvous needs no MASTER_ADDR: rank 0 broadcasts it over MPI.",
+        *env_exports(cfg),
+        "",
+        "# Rank placement: node i runs TASKS[i] ranks (learners fill whole nodes first).",
+        f"TASKS=({' '.join(str(t) for t in topo.tasks_per_node)})",
+        'mapfile -t HOSTS < <(scontrol show hostnames "$SLURM_JOB_NODELIST")',
+        'export SLURM_HOSTFILE="$RUN_DIR/hostfile"',
+        'for i in "${!TASKS[@]}"; do',
+        '  for ((t = 0; t < TASKS[i]; t++)); do echo "${HOSTS[i]}"; done',
+        'done > "$SLURM_HOSTFILE"',
+        "",
+        f'echo "{name}: job $SLURM_JOB_ID restart ${{SLURM_RESTART_COUNT:-0}} on '
+        '$SLURM_JOB_NODELIST; tensorboard --logdir $RUN_DIR"',
+        srun_text,
+    ]
+    return "\n".join(head + body) + "\n"
+
+
+def preset_script(name: str) -> str:
+    """Generate slurm/<name>.sh from its preset overrides."""
+    from hpc_tba.config import compose
+
+    overrides = PRESETS[name]
+    return sbatch_script(compose(list(overrides)), overrides, name=name)
+
+
+def write_scripts(directory: Path = SCRIPTS_DIR) -> list[Path]:
+    """Regenerate every preset script (executable)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name in PRESETS:
+        path = directory / f"{name}.sh"
+        path.write_text(preset_script(name))
+        path.chmod(0o755)
+        paths.append(path)
+    return paths
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`sbatch <overrides>` prints a script; `write-scripts` regenerates slurm/*.sh."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["write-scripts"]:
+        for path in write_scripts():
+            print(path)
+        return 0
+    if args[:1] == ["sbatch"]:
+        from hpc_tba.config import compose
+
+        overrides = args[1:]
+        name = next((o.split("=", 1)[1] for o in overrides if o.startswith("name=")), "tba")
+        sys.stdout.write(sbatch_script(compose(overrides), overrides, name=name))
+        return 0
+    print("usage: python -m hpc_tba.launcher.slurm {sbatch <overrides> | write-scripts}",
+          file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

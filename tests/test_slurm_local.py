@@ -1,0 +1,352 @@
+"""Against a real Slurm started here (tools/local_slurm.sh): sbatch, srun --mpi=pmi2 across virtual
+nodes, the generated slurm/tiny_cpu.sh placing roles on different nodes, USR1 -> requeue -> resume.
+
+Skipped only when slurm-wlm/munge are absent and cannot be installed (needs root and apt-get).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from hpc_tba.config import compose
+from hpc_tba.launcher import local_slurm
+from hpc_tba.launcher.slurm import sbatch_script
+
+pytestmark = [pytest.mark.slurm, pytest.mark.mpi]
+REPO = Path(__file__).resolve().parents[1]
+
+# A stand-in for `python -m hpc_tba.run`: the generated script calls "$PYTHON -m hpc_tba.run ...",
+# so HPC_TBA_PYTHON=<this wrapper> runs the probe below with the same overrides on every rank.
+PROBE = textwrap.dedent("""
+    import json, os, sys
+    from mpi4py import MPI
+    from hpc_tba.config import compose
+    from hpc_tba.launcher.slurm import SlurmEnv, check_placement, topology_of
+    comm = MPI.COMM_WORLD
+    overrides = [a for a in sys.argv[1:] if not a.startswith("run_dir=")]
+    run_dir = next(a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("run_dir="))
+    topo = topology_of(compose(overrides))
+    env = SlurmEnv.from_environ()
+    check_placement(topo, comm.Get_rank(), env)
+    rec = dict(rank=comm.Get_rank(), size=comm.Get_size(), role=topo.role(comm.Get_rank()).value,
+               node=env.node_name, node_id=env.node_id, total=comm.allreduce(comm.Get_rank()))
+    with open(os.path.join(run_dir, f"rank{rec['rank']}.json"), "w") as f:
+        json.dump(rec, f)
+""")
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    reason = local_slurm.ensure_installed()
+    if reason:
+        pytest.skip(reason)
+    port = local_slurm.free_port_block(3)  # concurrent test sessions get their own cluster
+    with local_slurm.LocalSlurm(tmp_path_factory.mktemp("slurm_state"), nodes=3,
+                                port=port) as cluster:
+        yield cluster
+
+
+def _gone(pid: int) -> bool:
+    """Exited (a zombie counts: nothing reaps orphans in this container)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_local_slurm_starts_ready_and_stops_clean(slurm, tmp_path):
+    """A second cluster beside the fixture's: up with idle nodes at once; stopped with a job
+    still running, it leaves no daemon and no job process behind."""
+    cluster = local_slurm.LocalSlurm(tmp_path / "state", nodes=2,
+                                     port=local_slurm.free_port_block(2))
+    marker = f"hpc_tba_stop_probe_{os.getpid()}"
+    with cluster:
+        assert "UP" in cluster.run(["scontrol", "ping"]).stdout
+        states = cluster.run(["sinfo", "-h", "-N", "-o", "%N %T"]).stdout.split()
+        assert states == ["n1", "idle", "n2", "idle"]
+        pids = [int(p.read_text()) for p in (tmp_path / "state").rglob("*.pid")]
+        assert len(pids) == 4  # munged, slurmctld, 2 x slurmd
+        job = cluster.sbatch(["-N2", "-o", str(tmp_path / "job.out"),
+                              "--wrap", f"srun bash -c 'exec -a {marker} sleep 300'"])
+        cluster.wait(job, timeout_s=60, states={"RUNNING"})
+        deadline = time.monotonic() + 60
+        while len(_processes_named(marker)) < 2:  # srun + at least one task are up
+            assert time.monotonic() < deadline, "the job's step never started"
+            time.sleep(0.1)
+    assert all(_gone(pid) for pid in pids)
+    assert _processes_named(marker) == []
+    # the fixture's cluster is untouched
+    assert "UP" in slurm.run(["scontrol", "ping"]).stdout
+
+
+def _processes_named(marker: str) -> list[int]:
+    """Live processes whose command line contains `marker`."""
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if marker in (proc / "cmdline").read_bytes().decode(errors="replace"):
+                found.append(int(proc.name))
+        except OSError:
+            continue
+    return [pid for pid in found if not _gone(pid)]
+
+
+def _probe_python(tmp_path: Path) -> Path:
+    (tmp_path / "probe.py").write_text(PROBE)
+    wrapper = tmp_path / "python"
+    wrapper.write_text(f"#!/bin/bash\nshift 2  # drop '-m hpc_tba.run'\n"
+                       f"exec {sys.executable} {tmp_path / 'probe.py'} \"$@\"\n")
+    wrapper.chmod(0o755)
+    return wrapper
+
+
+def _read_ranks(run_dir: Path, n: int) -> list[dict]:
+    return [json.loads((run_dir / f"rank{r}.json").read_text()) for r in range(n)]
+
+
+def test_mpi_hello_across_two_virtual_nodes(slurm, tmp_path):
+    (tmp_path / "hello.py").write_text(textwrap.dedent("""
+        import os
+        from mpi4py import MPI
+        c = MPI.COMM_WORLD
+        print("HELLO", c.Get_rank(), c.Get_size(), os.environ["SLURMD_NODENAME"],
+              c.allreduce(c.Get_rank() + 1), flush=True)
+    """))
+    (tmp_path / "job.sh").write_text(textwrap.dedent(f"""\
+        #!/bin/bash
+        #SBATCH --nodes=2
+        #SBATCH --ntasks-per-node=1
+        #SBATCH --output={tmp_path}/out-%j.txt
+        srun --mpi=pmi2 {sys.executable} {tmp_path}/hello.py
+    """))
+    job = slurm.sbatch([str(tmp_path / "job.sh")], cwd=tmp_path)
+    assert slurm.wait(job, timeout_s=120) == "COMPLETED"
+    lines = [ln.split() for ln in (tmp_path / f"out-{job}.txt").read_text().splitlines()
+             if ln.startswith("HELLO")]
+    assert sorted(int(ln[1]) for ln in lines) == [0, 1]
+    assert {ln[2] for ln in lines} == {"2"}
+    assert sorted(ln[3] for ln in lines) == ["n1", "n2"]  # one rank on each virtual node
+    assert {ln[4] for ln in lines} == {"3"}  # the allreduce crossed nodes
+
+
+def test_tiny_cpu_script_places_roles_on_separate_nodes(slurm, tmp_path):
+    run_dir = tmp_path / "run"
+    job = slurm.sbatch([str(REPO / "slurm" / "tiny_cpu.sh")], cwd=tmp_path,
+                       env={"HPC_TBA_PYTHON": str(_probe_python(tmp_path)),
+                            "HPC_TBA_RUN_DIR": str(run_dir)})
+    assert slurm.wait(job, timeout_s=120) == "COMPLETED", (tmp_path / f"tiny_cpu-{job}.out")
+    ranks = _read_ranks(run_dir, 3)
+    assert [r["role"] for r in ranks] == ["learner", "searcher", "searcher"]
+    assert [r["node"] for r in ranks] == ["n1", "n2", "n3"]
+    assert {r["total"] for r in ranks} == {3}
+    assert (run_dir / "hostfile").read_text().split() == ["n1", "n2", "n3"]
+
+
+def test_generated_script_uneven_layout(slurm, tmp_path):
+    """2 learners fill node 1, one searcher on node 2: srun's arbitrary distribution follows."""
+    overrides = ["cluster=slurm_cpu", "cluster.nodes=2", "cluster.ranks_per_node=2",
+                 "cluster.num_learners=2", "cluster.num_searchers=1"]
+    script = tmp_path / "uneven.sh"
+    script.write_text(sbatch_script(compose(overrides), overrides, name="uneven"))
+    run_dir = tmp_path / "run"
+    job = slurm.sbatch([str(script)], cwd=tmp_path,
+                       env={"HPC_TBA_PYTHON": str(_probe_python(tmp_path)),
+                            "HPC_TBA_RUN_DIR": str(run_dir)})
+    assert slurm.wait(job, timeout_s=120) == "COMPLETED"
+    ranks = _read_ranks(run_dir, 3)
+    assert [(r["role"], r["node"]) for r in ranks] == [
+        ("learner", "n1"), ("learner", "n1"), ("searcher", "n2")]
+
+
+REQUEUE_STEP = textwrap.dedent("""
+    import os, pathlib, sys
+    from mpi4py import MPI
+    from hpc_tba.launcher.slurm import SlurmEnv, install_preemption_handler, requeue
+    comm, run_dir = MPI.COMM_WORLD, pathlib.Path(sys.argv[1])
+    env = SlurmEnv.from_environ()
+    ckpt = run_dir / f"ckpt{comm.Get_rank()}"
+    if env.restart_count > 0:  # the resumed run: continue from the checkpointed step
+        step = int(ckpt.read_text())
+        (run_dir / f"resumed{comm.Get_rank()}").write_text(f"{step} {env.restart_count}")
+        sys.exit(0)
+    flag = install_preemption_handler()
+    comm.Barrier()
+    (run_dir / f"ready{comm.Get_rank()}").write_text("1")
+    step = 0
+    while True:  # the training loop: a step, then check the flag at the step boundary
+        step += 1
+        if flag.wait(0.05):
+            break
+    step = comm.allreduce(step, op=MPI.MAX)  # agree on the step every rank checkpoints
+    ckpt.write_text(str(step))
+    comm.Barrier()  # every checkpoint written before the job is killed
+    if comm.Get_rank() == 0:
+        requeue()
+    comm.Barrier()
+""")
+
+
+def test_usr1_checkpoint_requeue_resume(slurm, tmp_path):
+    """USR1 (what --signal=USR1@grace sends) -> every rank checkpoints -> requeue -> resume."""
+    (tmp_path / "step.py").write_text(REQUEUE_STEP)
+    (tmp_path / "job.sh").write_text(textwrap.dedent(f"""\
+        #!/bin/bash
+        #SBATCH --nodes=2
+        #SBATCH --ntasks-per-node=1
+        #SBATCH --requeue
+        #SBATCH --open-mode=append
+        #SBATCH --output={tmp_path}/out-%j.txt
+        srun --mpi=pmi2 {sys.executable} {tmp_path}/step.py {tmp_path}
+    """))
+    job = slurm.sbatch([str(tmp_path / "job.sh")], cwd=tmp_path,
+                       env={"PYTHONPATH": str(REPO)})
+    slurm.wait_for_files([tmp_path / "ready0", tmp_path / "ready1"], timeout_s=120)
+    slurm.run(["scancel", "--signal=USR1", job])  # to every task of the job's steps
+    assert slurm.wait(job, timeout_s=240, states={"COMPLETED", "FAILED", "CANCELLED"}) \
+        == "COMPLETED", (tmp_path / f"out-{job}.txt").read_text()
+    info = slurm.job_info(job)
+    assert info["Restarts"] == "1"
+    steps = {int((tmp_path / f"ckpt{r}").read_text()) for r in (0, 1)}
+    assert len(steps) == 1 and steps.pop() > 0
+    for r in (0, 1):
+        step, restarts = (tmp_path / f"resumed{r}").read_text().split()
+        assert int(step) == int((tmp_path / f"ckpt{r}").read_text()) and restarts == "1"
+
+
+class PreemptibleProbe:
+    """A submitit callable standing in for RankEntry: trains until preempted, then resumes."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+
+    def __call__(self) -> int:
+        from mpi4py import MPI
+
+        from hpc_tba.launcher.slurm import install_preemption_handler, requeue
+
+        comm = MPI.COMM_WORLD
+        ckpt = self.run_dir / f"ckpt{comm.Get_rank()}"
+        if ckpt.exists():  # the requeued run resumes from its checkpoint
+            return int(ckpt.read_text())
+        flag = install_preemption_handler()  # USR1 and, under submitit, its USR2
+        comm.Barrier()
+        (self.run_dir / f"ready{comm.Get_rank()}").write_text("1")
+        step = 0
+        while True:
+            step += 1
+            if flag.wait(0.05):
+                break
+        step = comm.allreduce(step, op=MPI.MAX)
+        ckpt.write_text(str(step))
+        comm.Barrier()
+        if comm.Get_rank() == 0:
+            requeue()
+        time.sleep(120)  # Slurm kills this run; the requeued one returns the step
+        return -1
+
+    def checkpoint(self):
+        import submitit
+
+        return submitit.helpers.DelayedSubmission(self)
+
+
+def test_submitit_preemption_checkpoints_and_requeues(slurm, tmp_path, monkeypatch):
+    """submitit's preemption signal reaches every rank's flag; the requeued job resumes."""
+    import cloudpickle
+
+    from hpc_tba.launcher.submit import _RankExecutor
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
+    monkeypatch.setenv("SLURM_CONF", str(slurm.conf))
+    ex = _RankExecutor(folder=tmp_path / "submitit", max_num_timeout=3)
+    ex.world_size = 2
+    ex.update_parameters(nodes=2, ntasks_per_node=1, time=10, signal_delay_s=30,
+                         srun_args=["--mpi=pmi2"])
+    job = ex.submit(PreemptibleProbe(tmp_path))
+    slurm.wait_for_files([tmp_path / "ready0", tmp_path / "ready1"], timeout_s=120)
+    job._interrupt(timeout=True)  # what submitit's --signal sends before the time limit
+    results = job.results()
+    step = int((tmp_path / "ckpt0").read_text())
+    assert step > 0 and results == [step, step]
+    assert slurm.job_info(job.job_id)["Restarts"] == "1"
+
+
+NEEDS_RUN = pytest.mark.skipif(not (REPO / "hpc_tba" / "run.py").exists(),
+                               reason="hpc_tba.run not written yet")
+TINY = ["learner.total_steps=3", "learner.eval_every=0"]
+
+
+def _assert_tiny_run(run_dir: Path) -> None:
+    """A finished tiny run: summary, and TensorBoard events of every role in the run directory."""
+    assert (run_dir / "summary.json").is_file()
+    for role in ("learner", "searcher0", "searcher1"):
+        assert list((run_dir / "tb" / role).rglob("events.out.tfevents.*")), role
+    assert (run_dir / "hostfile").read_text().split() == ["n1", "n2", "n3"]
+
+
+@NEEDS_RUN
+def test_sbatch_tiny_cpu_runs_the_entry_point(slurm, tmp_path):
+    """`sbatch slurm/tiny_cpu.sh`: learner on n1, searchers on n2, n3; completes with TB logs."""
+    run_dir = tmp_path / "run"
+    job = slurm.sbatch([str(REPO / "slurm" / "tiny_cpu.sh"), *TINY], cwd=tmp_path,
+                       env={"HPC_TBA_PYTHON": sys.executable, "HPC_TBA_RUN_DIR": str(run_dir)})
+    state = slurm.wait(job, timeout_s=600)
+    assert state == "COMPLETED", (tmp_path / f"tiny_cpu-{job}.out").read_text()[-3000:]
+    _assert_tiny_run(run_dir)
+
+
+@NEEDS_RUN
+def test_launch_through_submitit_slurm_executor(slurm, tmp_path, monkeypatch):
+    """`hpc_tba.launch(cfg)` on the same cluster: one submitit task per rank, same placement."""
+    from hpc_tba.launcher.submit import launch
+
+    monkeypatch.setenv("SLURM_CONF", str(slurm.conf))
+    overrides = ["cluster=slurm_cpu", *TINY, f"run_dir={tmp_path / 'run'}"]
+    job = launch(compose(overrides), overrides=overrides)
+    assert job.num_tasks == 3
+    assert job.results() == [0, 0, 0]
+    _assert_tiny_run(tmp_path / "run")
+
+
+NEEDS_RESUME = pytest.mark.skipif(not (REPO / "hpc_tba" / "checkpoint.py").exists(),
+                                  reason="learner checkpoint/resume not written yet")
+
+
+def _learner_rows(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics_learner.jsonl"
+    return [json.loads(ln) for ln in path.read_text().splitlines()] if path.exists() else []
+
+
+@NEEDS_RUN
+@NEEDS_RESUME
+def test_usr1_mid_run_requeues_and_resumes_the_real_run(slurm, tmp_path):
+    """`sbatch slurm/tiny_cpu.sh resume=auto`, USR1 mid-run (what --signal=USR1@grace sends):
+    every role checkpoints, the job requeues itself, and the same job id resumes from that step."""
+    run_dir = tmp_path / "run"
+    total = 12
+    job = slurm.sbatch([str(REPO / "slurm" / "tiny_cpu.sh"), f"learner.total_steps={total}",
+                        "learner.eval_every=0", "resume=auto"], cwd=tmp_path,
+                       env={"HPC_TBA_PYTHON": sys.executable, "HPC_TBA_RUN_DIR": str(run_dir)})
+    log = tmp_path / f"tiny_cpu-{job}.out"
+    deadline = time.monotonic() + 600
+    while not any(r.get("step", 0) >= 3 for r in _learner_rows(run_dir)):
+        assert slurm.job_info(job)["JobState"] in ("PENDING", "RUNNING"), log.read_text()[-3000:]
+        assert time.monotonic() < deadline, "the run never reached step 3"
+        time.sleep(0.5)
+    slurm.run(["scancel", "--signal=USR1", job])
+    state = slurm.wait(job, timeout_s=900, states={"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"})
+    assert state == "COMPLETED", log.read_text()[-3000:]
+    assert slurm.job_info(job)["Restarts"] == "1"
+    rows = _learner_rows(run_dir)
+    resumed = [int(r["checkpoint/resumed_step"]) for r in rows if "checkpoint/resumed_step" in r]
+    assert len(resumed) == 1 and 3 <= resumed[0] < total, resumed
+    steps_after = [int(r["step"]) for r in rows if "loss/tb" in r][-(total - resumed[0]):]
+    assert steps_after == list(range(resumed[0] + 1, total + 1))  # continued, not restarted
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == total and not summary["preempted"]

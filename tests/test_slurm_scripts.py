@@ -1,0 +1,152 @@
+"""Golden tests of the generated sbatch scripts and srun lines, and the SLURM_* parsing.
+
+slurm/*.sh are checked in; they must equal what the generator emits from their presets, and the
+lines a cluster admin reads (#SBATCH, srun) are pinned literally for the 70B and 8B runs.
+"""
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from hpc_tba.config import compose
+from hpc_tba.launcher import slurm
+from hpc_tba.topology import LayoutError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("name", sorted(slurm.PRESETS))
+def test_checked_in_scripts_equal_the_generator(name):
+    path = REPO / "slurm" / f"{name}.sh"
+    assert path.read_text() == slurm.preset_script(name), (
+        f"slurm/{name}.sh is stale: run `python -m hpc_tba.launcher.slurm write-scripts`")
+    assert os.access(path, os.X_OK)
+
+
+def _lines(text: str, prefix: str) -> list[str]:
+    return [ln for ln in text.splitlines() if ln.startswith(prefix)]
+
+
+def test_golden_70b():
+    text = slurm.preset_script("tba_70b")
+    assert _lines(text, "#SBATCH") == [
+        "#SBATCH --job-name=tba_70b",
+        "#SBATCH --nodes=16",
+        "#SBATCH --ntasks-per-node=8",
+        "#SBATCH --cpus-per-task=8",
+        "#SBATCH --gpus-per-node=8",
+        "#SBATCH --time=2-00:00:00",
+        "#SBATCH --signal=USR1@600",
+        "#SBATCH --requeue",
+        "#SBATCH --open-mode=append",
+        "#SBATCH --output=%x-%j.out",
+        "#SBATCH --exclusive",
+    ]
+    assert "TASKS=(8 8 8 8 8 8 8 8 2 2 2 2 2 2 2 2)" in text
+    assert ("srun --mpi=pmi2 --distribution=arbitrary --ntasks=80 --cpus-per-task=8 "
+            "--kill-on-bad-exit=1 \\\n"
+            '  "$PYTHON" -m hpc_tba.run +experiment=tba_70b "run_dir=$RUN_DIR" "$@"\n') in text
+    assert 'export TORCH_NCCL_ASYNC_ERROR_HANDLING="1"' in text
+
+
+def test_golden_8b():
+    text = slurm.preset_script("tba_8b")
+    assert _lines(text, "#SBATCH --nodes") == ["#SBATCH --nodes=2"]
+    assert _lines(text, "#SBATCH --signal") == ["#SBATCH --signal=USR1@300"]
+    assert "TASKS=(8 8)" in text
+    assert ("srun --mpi=pmi2 --distribution=arbitrary --ntasks=16 --cpus-per-task=8 "
+            "--kill-on-bad-exit=1 \\\n"
+            '  "$PYTHON" -m hpc_tba.run +experiment=tba_8b "run_dir=$RUN_DIR" "$@"\n') in text
+
+
+def test_srun_command_and_site_options():
+    cfg = compose(["+experiment=tba_8b", "cluster.partition=gpu", "cluster.account=rl",
+                   "cluster.mpi=pmix", "+cluster.env.NCCL_SOCKET_IFNAME=ib0"])
+    assert slurm.srun_command(cfg, ["+experiment=tba_8b"]) == [
+        "srun", "--mpi=pmix", "--distribution=arbitrary", "--ntasks=16", "--cpus-per-task=8",
+        "--kill-on-bad-exit=1", "python", "-m", "hpc_tba.run", "+experiment=tba_8b"]
+    text = slurm.sbatch_script(cfg, ["+experiment=tba_8b"], name="x")
+    assert "#SBATCH --partition=gpu" in text and "#SBATCH --account=rl" in text
+    assert 'export NCCL_SOCKET_IFNAME="ib0"' in text
+
+
+def test_expand_nodelist():
+    assert slurm.expand_nodelist("n[1-3]") == ["n1", "n2", "n3"]
+    assert slurm.expand_nodelist("gpu[008-010,012],login1") == [
+        "gpu008", "gpu009", "gpu010", "gpu012", "login1"]
+    assert slurm.expand_nodelist("a[1-2]-ib,b3") == ["a1-ib", "a2-ib", "b3"]
+
+
+def test_slurm_env_parsing():
+    assert slurm.SlurmEnv.from_environ({}) is None
+    env = slurm.SlurmEnv.from_environ({
+        "SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "n[1-2]", "SLURMD_NODENAME": "n2",
+        "SLURM_NODEID": "1", "SLURM_PROCID": "2", "SLURM_NTASKS": "3", "SLURM_LOCALID": "0",
+        "SLURM_RESTART_COUNT": "1", "SLURM_SUBMIT_DIR": "/w"})
+    assert env == slurm.SlurmEnv("42", ("n1", "n2"), "n2", 1, 2, 3, 0, 1, "/w")
+
+
+def test_check_placement_catches_stale_scripts():
+    topo = slurm.topology_of(compose(["cluster=slurm_cpu"]))
+    env = slurm.SlurmEnv("1", ("n1", "n2", "n3"), "n2", 1, 1, 3, 0, 0, "")
+    slurm.check_placement(topo, 1, env)
+    with pytest.raises(LayoutError, match="places it on node 2"):
+        slurm.check_placement(topo, 2, env)
+    with pytest.raises(LayoutError, match="regenerate"):
+        slurm.check_placement(topo, 1, slurm.SlurmEnv("1", (), "n2", 1, 1, 5, 0, 0, ""))
+    assert slurm.hostfile_lines(topo, ["a", "b", "c"]) == ["a", "b", "c"]
+
+
+def test_cuda_visible_devices_follow_the_topology():
+    topo = slurm.topology_of(compose(["+experiment=tba_70b"]))
+    assert slurm.cuda_visible_devices(topo, 3) == "3"
+    assert slurm.cuda_visible_devices(topo, 65) == "4,5,6,7"
+
+
+def test_usr1_sets_the_flag_only():
+    old = signal.getsignal(signal.SIGUSR1)
+    try:
+        flag = slurm.install_preemption_handler()
+        assert not flag.is_set()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert flag.wait(5) and flag.signum == signal.SIGUSR1
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+
+
+def test_requeue_calls_scontrol(tmp_path, monkeypatch):
+    log = tmp_path / "calls"
+    fake = tmp_path / "scontrol"
+    fake.write_text(f'#!/bin/sh\necho "$@" >> {log}\n')
+    fake.chmod(0o755)
+    slurm.requeue("77", scontrol=str(fake))
+    assert log.read_text() == "requeue 77\n"
+    # another rank got there first: the job is already pending again
+    fake.write_text('#!/bin/sh\necho "Job is pending execution for job $2" >&2; exit 1\n')
+    slurm.requeue("77", scontrol=str(fake))
+    fake.write_text('#!/bin/sh\necho "Invalid job id specified" >&2; exit 1\n')
+    with pytest.raises(RuntimeError, match="Invalid job id"):
+        slurm.requeue("77", scontrol=str(fake))
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    with pytest.raises(RuntimeError, match="outside a Slurm job"):
+        slurm.requeue(scontrol=str(fake))
+
+
+def test_setup_rank_on_a_gpu_node(monkeypatch):
+    old = signal.getsignal(signal.SIGUSR1)
+    env = {"SLURM_JOB_ID": "9", "SLURM_JOB_NODELIST": "g[01-16]", "SLURMD_NODENAME": "g09",
+           "SLURM_NODEID": "8", "SLURM_PROCID": "65", "SLURM_NTASKS": "80", "SLURM_LOCALID": "1"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    try:
+        ctx = slurm.setup_rank(compose(["+experiment=tba_70b"]), 65, 80)
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
+        assert ctx.env.restart_count == 0 and not ctx.preemption.is_set()
+        with pytest.raises(LayoutError, match="needs 80"):
+            slurm.setup_rank(compose(["+experiment=tba_70b"]), 65, 81)
+    finally:
+        signal.signal(signal.SIGUSR1, old)
