@@ -27,7 +27,8 @@ def run_rank(overrides: list[str]) -> dict | None:
     finally:
         if worker is not None:
             worker.close()
-    if summary is not None and summary.get("preempted") and os.environ.get("SLURM_JOB_ID"):
+    if (transport.rank == 0 and summary is not None and summary.get("preempted")
+            and os.environ.get("SLURM_JOB_ID")):
         from hpc_tba.launcher.slurm import preemption_signals, requeue
 
         if summary.get("signal") not in preemption_signals():

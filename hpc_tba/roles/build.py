@@ -8,22 +8,33 @@ from hpc_tba.topology import Role, Topology
 
 
 def transport_and_topology(cfg: RunConfig):
+    """MPI, the placement-aware layout, and (under Slurm) the placement check and GPU pinning."""
     from hpc_tba.comm.transport import MPITransport
+    from hpc_tba.launcher.slurm import SlurmEnv, check_placement, cuda_visible_devices
 
     transport = MPITransport()
     topo = topology_for(cfg, transport.size)
+    env = SlurmEnv.from_environ()
+    check_placement(topo, transport.rank, env)
+    if env is not None and cfg.cluster.gpus_per_node:  # before anything initialises CUDA
+        os.environ["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices(topo, transport.rank)
     return transport, topo, topo.role(transport.rank)
 
 
 def topology_for(cfg: RunConfig, world_size: int) -> Topology:
     """The layout for this config; an offline task trains from a file with no searcher."""
+    from hpc_tba.topology import LayoutError
+
     offline = cfg.task.name == "offline"
     if offline and cfg.cluster.num_searchers:
-        from hpc_tba.topology import LayoutError
-
         raise LayoutError("task=offline trains from a file: set cluster.num_searchers=0")
-    return Topology.build(world_size, cfg.cluster.num_learners, cfg.cluster.num_searchers,
-                          needs_searchers=not offline)
+    topo = Topology.from_cluster(cfg.cluster, tp_size=cfg.searcher.tensor_parallel_size,
+                                 needs_searchers=not offline)
+    if topo.world_size != world_size:
+        raise LayoutError(f"impossible layout: the job has {world_size} ranks but "
+                          f"{cfg.cluster.num_learners} learners + {cfg.cluster.num_searchers} "
+                          f"searchers need {topo.world_size}")
+    return topo
 
 
 def _pin_threads(n: int) -> None:
