@@ -81,11 +81,14 @@ class Learner:
     # ------------------------------------------------------------------ build
     def _build_models(self, model_path: str):
         import deepspeed
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
+
+        from hpc_tba.models.loading import load_causal_lm
 
         dtype = torch.bfloat16 if self.cfg.dtype == "bf16" else torch.float32
         micro = max(1, self.cfg.prompts_per_step * self.k)
-        policy = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+        zero3 = deepspeed_config(self.cfg, micro_batch=micro, train=True) if self.cfg.zero_stage == 3 else None
+        policy = load_causal_lm(model_path, dtype=dtype, zero3_config=zero3, rank=self.lrank)
         opt = torch.optim.AdamW(policy.parameters(), lr=self.cfg.lr, weight_decay=0.0)
         warmup = max(1, self.cfg.warmup_steps)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
@@ -94,7 +97,7 @@ class Learner:
             config=deepspeed_config(self.cfg, micro_batch=micro, train=True))
         ref = None
         if self.loss_cfg.needs_reference:
-            ref_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
+            ref_model = load_causal_lm(model_path, dtype=dtype, zero3_config=zero3, rank=self.lrank).eval()
             ref_model.requires_grad_(False)
             ref, *_ = deepspeed.initialize(
                 model=ref_model, config=deepspeed_config(self.cfg, micro_batch=micro, train=False))
