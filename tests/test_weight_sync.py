@@ -6,12 +6,12 @@ through the real ZeRO-3 shards (direct gather) or GatheredParameters; the sync g
 """
 import json
 import os
-import socket
 import time
 
 import pytest
 import torch
 
+from hpc_tba.comm.groups import free_ports
 from hpc_tba.comm.weight_sync import FLAG_EVAL, Manifest, wire_dtype_name
 
 SHAPES = [("embed.weight", (64, 16)), ("layers.0.attn.weight", (16, 16)), ("layers.0.norm", (16,)),
@@ -152,20 +152,10 @@ def _worker(rank: int, ports: list[int], result_dir: str) -> None:
     open(os.path.join(result_dir, f"ok{rank}"), "w").close()
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 def test_three_process_gloo_sync(tmp_path):
     import torch.multiprocessing as mp
 
-    ctx = mp.spawn(_worker, args=(_free_ports(3), str(tmp_path)), nprocs=3, join=False)
+    ctx = mp.spawn(_worker, args=(free_ports(3), str(tmp_path)), nprocs=3, join=False)
     deadline = time.time() + 90
     try:
         while not ctx.join(timeout=1):

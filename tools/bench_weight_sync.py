@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
 
 import torch
+
+from hpc_tba.comm.groups import free_ports
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -198,16 +199,6 @@ def analytic_70b(link_gbit: float = 400.0, efficiency: float = 0.8, params: floa
             "our overhead; fp32 on the wire doubles it.")
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--params", type=float, default=100e6, help="model size (parameters)")
@@ -239,7 +230,7 @@ def main(argv: list[str] | None = None) -> None:
           "|--------------:|-------:|----------:|")
     sys.stdout.flush()
     t0 = time.time()
-    mp.spawn(_worker, args=(args, _free_ports(3), shapes, cfg),
+    mp.spawn(_worker, args=(args, free_ports(3), shapes, cfg),
              nprocs=args.learners + args.receivers, join=True)
     print(f"(ratio = raw s / sync s; gather+pack = learner 0's time in ZeRO-3 gathers and packing, "
           f"wait = its time blocked on broadcasts; bit-exact = every receiver's last version equals "

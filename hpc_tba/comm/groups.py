@@ -24,10 +24,16 @@ def resolve_backend(name: str) -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+def free_ports(n: int) -> list[int]:
+    """n distinct TCP ports free right now (all bound at once, so none is handed out twice)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def _host() -> str:
@@ -54,7 +60,8 @@ def setup_groups(transport: MPITransport, topo: Topology, *, backend: str) -> Gr
     backend = resolve_backend(backend)
     rdv = None
     if transport.rank == 0:
-        rdv = {"host": _host(), "learner_port": _free_port(), "sync_port": _free_port()}
+        learner_port, sync_port = free_ports(2)
+        rdv = {"host": _host(), "learner_port": learner_port, "sync_port": sync_port}
     rdv = transport.bcast_json(rdv)
     rank = transport.rank
     if topo.role(rank) is Role.LEARNER:
