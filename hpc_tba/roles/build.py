@@ -58,9 +58,9 @@ def cores_for_rank(rank: int, topo: Topology, ncpu: int) -> set[int]:
 
 
 def _pin_cores(rank: int, topo: Topology) -> None:
-    ncpu = len(os.sched_getaffinity(0))
-    if ncpu > 1 and ncpu <= topo.world_size * 4:  # a small shared machine, not a cluster node
-        os.sched_setaffinity(0, cores_for_rank(rank, topo, ncpu))
+    cpus = sorted(os.sched_getaffinity(0))  # the cores this job may use, whatever their numbers
+    if 1 < len(cpus) <= topo.world_size * 4:  # a small shared machine, not a cluster node
+        os.sched_setaffinity(0, {cpus[i] for i in cores_for_rank(rank, topo, len(cpus))})
 
 
 def role(cfg: RunConfig, transport, topo: Topology, role: Role):
