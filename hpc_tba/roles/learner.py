@@ -22,6 +22,7 @@ from hpc_tba.comm.metrics import reduce_metrics
 from hpc_tba.comm.transport import MPITransport, Tag
 from hpc_tba.comm.weight_sync import FLAG_EVAL, Manifest, WeightSender
 from hpc_tba.losses import LossConfig, LossInputs, compute_loss, loss_units
+from hpc_tba.messages import TrajectoryBatch
 from hpc_tba.roles.config import LearnerConfig
 from hpc_tba.roles.logging import RunLogger
 from hpc_tba.roles.policy import pack, pad_per_token, response_logprobs
@@ -91,14 +92,15 @@ class Learner:
 
         dtype = torch.bfloat16 if self.cfg.dtype == "bf16" else torch.float32
         micro = max(1, self.cfg.prompts_per_step * self.k)
-        zero3 = deepspeed_config(self.cfg, micro_batch=micro, train=True) if self.cfg.zero_stage == 3 else None
+        ds_train = deepspeed_config(self.cfg, micro_batch=micro, train=True)
+        zero3 = ds_train if self.cfg.zero_stage == 3 else None
         policy = load_causal_lm(model_path, dtype=dtype, zero3_config=zero3, rank=self.lrank)
         opt = torch.optim.AdamW(policy.parameters(), lr=self.cfg.lr, weight_decay=0.0)
         warmup = max(1, self.cfg.warmup_steps)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
         engine, _, _, _ = deepspeed.initialize(
             model=policy, optimizer=opt, lr_scheduler=sched,
-            config=deepspeed_config(self.cfg, micro_batch=micro, train=True))
+            config=ds_train)
         ref = None
         if self.loss_cfg.needs_reference:
             ref_model = load_causal_lm(model_path, dtype=dtype, zero3_config=zero3, rank=self.lrank).eval()
@@ -181,8 +183,6 @@ class Learner:
         """Take every trajectory that has arrived into the shard; never blocks."""
         n = 0
         for src, buf in self.transport.poll(Tag.TRAJ):
-            from hpc_tba.messages import TrajectoryBatch
-
             batch = TrajectoryBatch.unpack(buf)
             self.shard.add(batch)
             self.received[src] = self.received.get(src, 0) + 1
