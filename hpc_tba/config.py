@@ -47,6 +47,12 @@ class RunConfig:
     def __post_init__(self) -> None:
         if self.resume not in ("never", "auto") and not self.resume.startswith(("/", ".", "~")):
             raise ValueError(f"resume={self.resume!r}: use never, auto, or a checkpoint directory path")
+        if self.learner.mode == "sync" and self.searcher.samples_per_prompt < self.searcher.k:
+            raise ValueError(f"learner.mode=sync trains on K={self.searcher.k} of each prompt's "
+                             f"samples: searcher.samples_per_prompt={self.searcher.samples_per_prompt}"
+                             " must be >= searcher.k")
+        if self.learner.mode == "sync" and self.task.name == "offline":
+            raise ValueError("learner.mode=sync needs searchers; task=offline trains from a file")
 
 
 def _register() -> None:

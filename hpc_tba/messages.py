@@ -132,3 +132,24 @@ class SampledBatch:
     @property
     def size(self) -> int:
         return int(self.rewards.shape[0])
+
+    @classmethod
+    def from_trajectories(cls, batches: list[TrajectoryBatch], k: int) -> SampledBatch:
+        """The first K responses of each prompt's batch, as generated: the on-policy batch of
+        `learner.mode=sync` (no replay buffer sampling, no dedupe between them)."""
+        rows = []
+        for g, b in enumerate(batches):
+            if b.num_responses < k:
+                raise ValueError(f"prompt {b.prompt_id} has {b.num_responses} responses, fewer than K={k}")
+            resp = b.responses()
+            ends = np.cumsum(b.lengths)
+            logp = np.split(b.logp_behavior, ends[:-1])
+            rows += [(b, g, resp[i], logp[i], float(b.rewards[i])) for i in range(k)]
+        return cls(
+            prompt_ids=np.array([b.prompt_id for b, *_ in rows], np.int64),
+            group_ids=np.array([g for _, g, *_ in rows], np.int64),
+            prompt_tokens=[b.prompt_tokens for b, *_ in rows],
+            response_tokens=[r for _, _, r, _, _ in rows],
+            rewards=np.array([x for *_, x in rows], np.float32),
+            logp_behavior=[lp for _, _, _, lp, _ in rows],
+            policy_versions=np.array([b.policy_version for b, *_ in rows], np.int64))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 
 
 class Role(enum.Enum):
@@ -93,6 +94,26 @@ class Topology:
     def prompts_of_searcher(self, searcher_index: int, num_prompts: int) -> range:
         """The prompt slice a searcher loops over."""
         return range(searcher_index, num_prompts, self.num_searchers)
+
+    def on_policy_quota(self, searcher_index: int, prompts_per_shard: int) -> dict[int, int]:
+        """learner.mode=sync: how many prompts of each buffer shard this searcher generates per
+        weight version, so that together the searchers give every shard exactly
+        `prompts_per_shard`.
+
+        Searcher j's slice holds the prompt ids ≡ j (mod searchers) and shard s owns the ids ≡ s
+        (mod learners), so the slice meets shard s iff j ≡ s (mod gcd(searchers, learners));
+        each shard's quota is split evenly among the searchers whose slices meet it.
+        """
+        g = math.gcd(self.num_searchers, self.num_learners)
+        quota = {}
+        for shard in range(self.num_learners):
+            servers = [j for j in range(self.num_searchers) if j % g == shard % g]
+            if searcher_index in servers:
+                pos, n = servers.index(searcher_index), len(servers)
+                q = prompts_per_shard // n + int(pos < prompts_per_shard % n)
+                if q:
+                    quota[shard] = q
+        return quota
 
     # ---- node placement -------------------------------------------------------------------
     @property

@@ -143,15 +143,23 @@ def _searcher(cfg: RunConfig, transport, topo: Topology, groups, model_path: str
     device = "cuda" if groups.backend == "nccl" else "cpu"
     if device == "cpu":
         configure_cpu_env(core=None, kv_cache_mb=cfg.searcher.kv_cache_mb)
+    warm_prompt = task.prompts("train")[0].text
+
     def engine_factory() -> VLLMEngine:
-        return VLLMEngine(model_path, cfg.searcher, seed=cfg.searcher.seed + index, device=device)
+        engine = VLLMEngine(model_path, cfg.searcher, seed=cfg.searcher.seed + index, device=device)
+        # The first generate call pays one-off set-up (~4 s on CPU): pay it here, not in round 1.
+        engine.sample(engine.tokenize([warm_prompt]), n=1, temperature=1.0, max_tokens=1)
+        return engine
 
     engine = engine_factory()
     setup = transport.bcast_json(None)
     receiver = WeightReceiver(Manifest.from_json(setup["manifest"]), groups.sync_group, device=device)
+    quota = None
+    if cfg.learner.mode == "sync":  # one on-policy batch per version: G prompts for every shard
+        quota = topo.on_policy_quota(index, cfg.learner.prompts_per_step)
     searcher = Searcher(cfg=cfg.searcher, task=task, engine=engine, receiver=receiver,
                         transport=transport, topo=topo, index=index, run_dir=cfg.run_dir,
-                        engine_factory=engine_factory)
+                        engine_factory=engine_factory, on_policy_quota=quota)
     searcher.probe = setup["probe"]
     searcher.resumed = setup["resumed_step"] > 0
     return searcher

@@ -8,6 +8,11 @@ import dataclasses
 class LearnerConfig:
     """DeepSpeed ZeRO-3 learner."""
 
+    mode: str = "async"
+    """async (TBA: train on replay-buffer samples while the searchers keep generating) or sync
+    (the on-policy baseline: the searchers generate one batch with the current weights, the
+    learner trains on exactly that batch, syncs, and only then do they generate again; needs
+    sync_every=1 — the `learner=sync` preset sets both)."""
     total_steps: int = 150
     """Learner updates in the run."""
     prompts_per_step: int = 16
@@ -52,6 +57,12 @@ class LearnerConfig:
             raise ValueError("learner.total_steps and learner.prompts_per_step must be >= 1")
         if self.sync_every < 1:
             raise ValueError("learner.sync_every (k) must be >= 1")
+        if self.mode not in ("async", "sync"):
+            raise ValueError(f"learner.mode={self.mode!r} must be async or sync")
+        if self.mode == "sync" and self.sync_every != 1:
+            raise ValueError(f"learner.mode=sync trains only on samples of the current weights, so "
+                             f"it syncs after every step: set learner.sync_every=1 (got "
+                             f"{self.sync_every}), or use the preset learner=sync")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"learner.zero_stage={self.zero_stage} must be 0-3")
         if self.checkpoint_every < 0 or self.checkpoint_interval_s < 0 or self.keep_last < 1:
@@ -85,6 +96,10 @@ class SearcherConfig:
     """GPU engines: fraction of device memory vLLM may use."""
     tensor_parallel_size: int = 1
     """GPU engines: GPUs one engine spans."""
+    engine_process: bool = False
+    """Run the vLLM engine in child processes (vLLM V1 multiprocessing) instead of inside the
+    searcher's process; weights reach its workers over a per-engine channel. Always on when
+    tensor_parallel_size > 1 (vLLM's tensor-parallel workers are processes of their own)."""
     dtype: str = "float32"
     """Engine dtype (float32 on CPU so the engine's log-probs match the learner's)."""
     seed: int = 0
@@ -97,3 +112,7 @@ class SearcherConfig:
             raise ValueError(f"searcher.temperature={self.temperature} must be > 0")
         if self.max_new_tokens < 1 or self.max_model_len <= self.max_new_tokens:
             raise ValueError("searcher.max_model_len must exceed searcher.max_new_tokens >= 1")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"searcher.tensor_parallel_size={self.tensor_parallel_size} must be >= 1")
+        if self.tensor_parallel_size > 1:
+            self.engine_process = True  # tensor-parallel workers always live in other processes

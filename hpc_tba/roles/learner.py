@@ -6,6 +6,13 @@ policy and the frozen reference from logits / T, the configured loss, and one Ze
 k steps gather the weights bucket by bucket and broadcast them to the searchers (version = the
 learner step). Learner rank 0 also collects the searchers' held-out evaluations and ends the run
 with a STOP / DONE handshake that drains every trajectory still in flight.
+
+`learner.mode=sync` is the on-policy baseline on the same machinery: instead of sampling the
+buffer, each step waits for the G prompts the searchers generated with the current weights and
+trains on exactly those (K responses each, as generated), then syncs; the searchers generate the
+next batch only once those weights arrive. Everything else (loss, sync, logging) is shared, so
+sync vs async differs in scheduling only. Every step logs where the time went (`util/train`,
+`util/sync`, `util/wait`, `util/receive`, `util/checkpoint`; roles.logging.Timers).
 """
 from __future__ import annotations
 
@@ -22,9 +29,9 @@ from hpc_tba.comm.metrics import reduce_metrics
 from hpc_tba.comm.transport import MPITransport, Tag
 from hpc_tba.comm.weight_sync import FLAG_EVAL, Manifest, WeightSender
 from hpc_tba.losses import LossConfig, LossInputs, compute_loss, loss_units
-from hpc_tba.messages import TrajectoryBatch
+from hpc_tba.messages import SampledBatch, TrajectoryBatch
 from hpc_tba.roles.config import LearnerConfig
-from hpc_tba.roles.logging import RunLogger
+from hpc_tba.roles.logging import RunLogger, Timers
 from hpc_tba.roles.policy import pack, pad_per_token, response_logprobs
 from hpc_tba.topology import Topology
 
@@ -82,6 +89,9 @@ class Learner:
         self._probe_logp: dict[int, np.ndarray] = {}
         self.sync_gaps: dict[int, dict[int, float]] = {}  # searcher rank -> version -> max gap
         self._incoming = {"rewards": [], "samples": 0, "t": time.time()}
+        self.on_policy: list[TrajectoryBatch] = []  # mode=sync: batches of the current version
+        self.timers = Timers()
+        self.version_time: dict[int, float] = {}  # version -> seconds into training it was sent
 
     # ------------------------------------------------------------------ build
     def _build_models(self, model_path: str):
@@ -112,22 +122,39 @@ class Learner:
 
     # ------------------------------------------------------------------ loop
     def run(self) -> dict:
+        self.transport.barrier()  # every rank has built its role: all clocks start together
+        self.timers = Timers()
+        t = self.timers
+        self.version_time.setdefault(self.version, 0.0)
         if self.step > 0:  # resumed: the engines start from the model files, send them ours
-            self.sync(evaluate=False)
-        self.wait_for_warm_start()
+            with t("sync"):
+                self.sync(evaluate=False)
+        if self.cfg.mode == "async":
+            with t("wait"):
+                self.wait_for_warm_start()
         while self.step < self.cfg.total_steps:
-            self.receive()
-            metrics = self.train_step()
+            if self.cfg.mode == "sync":
+                with t("wait"):
+                    batch = self.wait_on_policy()
+            else:
+                with t("receive"):
+                    self.receive()
+                batch = None
+            with t("train"):
+                metrics = self.train_step(batch)
             self.step += 1
             last = self.step == self.cfg.total_steps
             if self.step % self.cfg.sync_every == 0 or last:
-                metrics.update(self.sync(evaluate=last or self._eval_due()))
+                with t("sync"):
+                    metrics.update(self.sync(evaluate=last or self._eval_due()))
             if self.step % self.cfg.log_every == 0 or last:
+                metrics.update(t.metrics())
                 self.log.scalars(self.step, reduce_metrics(metrics, sum_prefix="loss/"))
                 self.log.progress(self.step, self._postfix(metrics))
             self.preempted = self._signalled()
             if self.preempted or last or self._checkpoint_due():
-                self.save_checkpoint()
+                with t("checkpoint"):
+                    self.save_checkpoint()
             if self.preempted:
                 break
         return self.finish()
@@ -185,6 +212,8 @@ class Learner:
         for src, buf in self.transport.poll(Tag.TRAJ):
             batch = TrajectoryBatch.unpack(buf)
             self.shard.add(batch)
+            if self.cfg.mode == "sync" and batch.policy_version == self.version:
+                self.on_policy.append(batch)
             self.received[src] = self.received.get(src, 0) + 1
             self._incoming["rewards"].append(float(batch.rewards.mean()))
             self._incoming["samples"] += batch.num_responses
@@ -198,9 +227,23 @@ class Learner:
                 self._on_probe(src, buf.view(np.float64))
         return n
 
-    def train_step(self) -> dict[str, float]:
+    def wait_on_policy(self) -> SampledBatch:
+        """mode=sync: wait until every learner rank holds G prompts generated by the current
+        weights; return this rank's G prompts, K responses each, exactly as generated."""
+        g = self.cfg.prompts_per_step
+        while True:
+            self.receive()
+            if reduce_metrics({"ready": float(len(self.on_policy) >= g)}, op="min")["ready"]:
+                break
+            time.sleep(POLL_S)
+        batches, self.on_policy = self.on_policy[:g], []
+        return SampledBatch.from_trajectories(batches, self.k)
+
+    def train_step(self, batch: SampledBatch | None = None) -> dict[str, float]:
+        """One update on `batch`, or (async) on G x K samples drawn from the buffer shard."""
         t0 = time.time()
-        batch = self.shard.sample(self.cfg.prompts_per_step, self.k, learner_version=self.step)
+        if batch is None:
+            batch = self.shard.sample(self.cfg.prompts_per_step, self.k, learner_version=self.step)
         packed = pack(batch.prompt_tokens, batch.response_tokens, pad_id=self.pad_id)
         logp = response_logprobs(self.engine, packed, temperature=self.temperature)
         logp_ref = None
@@ -279,6 +322,7 @@ class Learner:
         if self.probe is not None:
             self._probe_logp[self.version] = self.probe_logprobs()
         sent = self.sender.send(self.version, flags=FLAG_EVAL if evaluate else 0)
+        self.version_time[self.version] = self.timers.elapsed()
         self.shard.mark_sync(self.version)
         dt = time.time() - t0
         return {"sync/time_s": dt, "sync/bytes": float(sent), "sync/version": float(self.version)}
@@ -334,7 +378,8 @@ class Learner:
         acc[2] += 1
         if acc[2] == self.topo.num_searchers:
             self.pass_at_1[version] = acc[0] / max(acc[1], 1.0)
-            self.log.scalars(version, {"test/pass@1": self.pass_at_1[version]})
+            self.log.scalars(version, {"test/pass@1": self.pass_at_1[version],
+                                       "test/at_time_s": self.version_time.get(version, 0.0)})
 
     def _postfix(self, m: dict[str, float]) -> dict[str, str]:
         out = {"reward": f"{m.get('reward/sampled_mean', 0):.2f}", "buf": f"{int(m.get('buffer/size', 0))}"}
@@ -373,6 +418,8 @@ class Learner:
              "buffer_size": len(self.shard),
              "pass@1": {str(v): self.pass_at_1[v] for v in versions},
              "pass@1_before": self.pass_at_1.get(0), "pass@1_after": self.pass_at_1.get(self.version),
+             "pass@1_time_s": {str(v): self.version_time[v] for v in versions if v in self.version_time},
+             "mode": self.cfg.mode, "time": self.timers.metrics(),
              "sync_logprob_gap": {str(r): {str(v): g for v, g in sorted(d.items())}
                                   for r, d in sorted(self.sync_gaps.items())}}
         if self.is_main:

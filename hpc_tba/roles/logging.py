@@ -1,4 +1,5 @@
-"""Run logging for one role: TensorBoard scalars/histograms, a metrics.jsonl, a progress bar.
+"""Run logging for one role: TensorBoard scalars/histograms, a metrics.jsonl, a progress bar,
+and the role's time accounting (`Timers`: where its wall-clock time went).
 
 Each role writes its own TensorBoard directory under `<run_dir>/tb/<name>` (learner, searcher0,
 ...), so TensorBoard pointed at `<run_dir>/tb` shows them as separate runs; `metrics.jsonl`
@@ -6,10 +7,12 @@ holds the same scalars for tools and tests.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import sys
+import time
 
 import numpy as np
 
@@ -61,3 +64,43 @@ class RunLogger:
         if self._writer is not None:
             self._writer.close()
             self._jsonl.close()
+
+
+class Timers:
+    """Wall-clock seconds a role spent on each activity since it started, for `util/` scalars.
+
+    `with timers("train"): ...` adds the block's duration to "train". A block inside another
+    counts towards the outer one only, so the activities never overlap and their fractions plus
+    `util/other` (time in none of them) sum to 1.
+    """
+
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+        self.seconds: dict[str, float] = {}
+        self._active = False
+
+    @contextlib.contextmanager
+    def __call__(self, activity: str):
+        if self._active:
+            yield
+            return
+        self._active, t = True, time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[activity] = self.seconds.get(activity, 0.0) + time.perf_counter() - t
+            self._active = False
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def metrics(self) -> dict[str, float]:
+        """`time/<activity>_s` (cumulative), `util/<activity>` (fraction of the elapsed time),
+        `util/other`, and `time/elapsed_s`."""
+        elapsed = max(self.elapsed(), 1e-9)
+        out = {"time/elapsed_s": elapsed}
+        for k, v in sorted(self.seconds.items()):
+            out[f"time/{k}_s"] = v
+            out[f"util/{k}"] = v / elapsed
+        out["util/other"] = max(0.0, 1.0 - sum(self.seconds.values()) / elapsed)
+        return out

@@ -7,6 +7,17 @@ samples, stamped with the engine's version, to the buffer shard that owns the pr
 non-blocking and overlap the next round. On STOP it finishes the round, flushes its sends and
 tells every learner how many trajectories it sent there (DONE), so nothing is left in flight.
 
+With `learner.mode=sync` (`on_policy_quota` set) the searcher generates one batch per weight
+version, its share of each learner shard's G prompts, and then waits for the next version.
+
+Prompt cursors (the shuffled order of the slice still to visit, and the RNG) are written to
+`<run_dir>/searchers/searcher<i>.json` at the start of every round, before the round's prompts
+are picked; a resumed run continues from there, so no prompt of a pass is skipped across a
+restart (the prompts of a round cut short are generated again).
+
+Each round logs where the searcher's time went (`util/generate`, `util/apply`, `util/eval`,
+`util/wait`; roles.logging.Timers).
+
 Engine faults: if the engine raises (a crashed worker, an out-of-memory, a CUDA error), the
 searcher discards it, builds a new one from `engine_factory`, reloads the newest weights it has
 applied (so it is back on the current version), and carries on; that round's samples are dropped
@@ -16,6 +27,7 @@ Fault injection for tests: HPC_TBA_FAULT_ENGINE_ROUNDS="3,7" raises inside round
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -28,7 +40,7 @@ from hpc_tba.comm.weight_sync import WeightReceiver
 from hpc_tba.engine.vllm_engine import VLLMEngine
 from hpc_tba.messages import TrajectoryBatch
 from hpc_tba.roles.config import SearcherConfig
-from hpc_tba.roles.logging import RunLogger
+from hpc_tba.roles.logging import RunLogger, Timers
 from hpc_tba.tasks import Task
 from hpc_tba.topology import Topology
 
@@ -37,7 +49,7 @@ class Searcher:
     def __init__(self, *, cfg: SearcherConfig, task: Task, engine: VLLMEngine,
                  receiver: WeightReceiver | None, transport: MPITransport, topo: Topology,
                  index: int, run_dir: str, engine_factory: Callable[[], VLLMEngine] | None = None,
-                 max_engine_restarts: int = 5):
+                 max_engine_restarts: int = 5, on_policy_quota: dict[int, int] | None = None):
         self.cfg, self.task, self.engine, self.receiver = cfg, task, engine, receiver
         self.engine_factory = engine_factory
         self.max_engine_restarts = max_engine_restarts
@@ -53,7 +65,16 @@ class Searcher:
         self.test = task.prompts("test")[index::topo.num_searchers]
         self.tokens = engine.tokenize([p.text for p in self.prompts])
         self.rng = np.random.default_rng(cfg.seed + index)
-        self.order: list[int] = []
+        # Prompt cursors: per pool, the slice positions still to visit this pass. One pool (the
+        # whole slice) in async mode; one per learner shard when generating on-policy quotas.
+        self.quota = on_policy_quota
+        shards = sorted(on_policy_quota) if on_policy_quota else [None]
+        self.pools = {s: [i for i, p in enumerate(self.prompts)
+                          if s is None or topo.shard_of_prompt(p.id) == s] for s in shards}
+        self.orders: dict[int | None, list[int]] = {s: [] for s in shards}
+        self._generated_version: int | None = None  # mode=sync: version of the last batch
+        self.state_path = os.path.join(run_dir, "searchers", f"searcher{index}.json")
+        self.timers = Timers()
         self.rounds = 0
         self.sent = 0
         self.evaluated: dict[int, float] = {}
@@ -62,11 +83,22 @@ class Searcher:
         self.log = RunLogger(run_dir, f"searcher{index}")
 
     def run(self) -> None:
-        if not self.resumed:
-            self.evaluate(self.engine.version)
+        self.transport.barrier()  # every rank has built its role: all clocks start together
+        self.timers = Timers()
+        if self.resumed:
+            self.load_cursors()
+            self._generated_version = self.engine.version  # mode=sync: wait for the run's weights
+        else:
+            with self.timers("eval"):
+                self.evaluate(self.engine.version)
         while not self.stop_requested():
             try:
                 self.apply_weights()
+                if self.quota is not None and self._generated_version == self.engine.version:
+                    with self.timers("wait"):  # this version's batch is done: wait for the next
+                        if self.receiver is not None:
+                            self.receiver.wait_for(self.engine.version + 1, timeout=0.05)
+                    continue
                 self.generate_round()
                 self._failures_in_row = 0
             except Exception as e:  # the engine failed: replace it, keep the searcher alive
@@ -98,7 +130,8 @@ class Searcher:
         staged, evals = self.receiver.take()
         if staged is not None:
             t0 = time.time()
-            self.engine.load_weights(staged.tensors, staged.version)
+            with self.timers("apply"):
+                self.engine.load_weights(staged.tensors, staged.version)
             self._weights = (staged.version, staged.tensors)
             self.log.scalars(self.rounds, {"searcher/version": staged.version,
                                            "searcher/weight_apply_s": time.time() - t0})
@@ -106,12 +139,24 @@ class Searcher:
                 logp = self.engine.score(*self.probe, temperature=1.0)
                 self.transport.send_array(0, Tag.PROBE, np.concatenate([[staged.version], logp]))
         for v in evals:  # evaluated with the newest weights, which are at least version v
-            self.evaluate(v)
+            with self.timers("eval"):
+                self.evaluate(v)
 
     def generate_round(self) -> None:
+        with self.timers("generate"):
+            self._generate_round()
+
+    def _generate_round(self) -> None:
         t0 = time.time()
-        picks = self._next_prompts(self.cfg.prompts_per_round)
+        self.save_cursors()
+        if self.quota is None:
+            picks = self._next_prompts(None, self.cfg.prompts_per_round)
+        else:
+            picks = [i for s, q in sorted(self.quota.items()) for i in self._next_prompts(s, q)]
         version = self.engine.version
+        if not picks:  # mode=sync with more searchers than prompts per step: nothing to do
+            self._generated_version = version
+            return
         if self.rounds + 1 in self._faults:
             self._faults.discard(self.rounds + 1)
             raise RuntimeError(f"injected engine fault in round {self.rounds + 1}")
@@ -135,20 +180,53 @@ class Searcher:
             off += n
             n_tok += int(batch.lengths.sum())
         self.rounds += 1
+        self._generated_version = version
         self.log.scalars(self.rounds, {
             "searcher/reward_mean": float(rewards.mean()), "searcher/reward_failures": failed,
             "searcher/gen_tokens_per_s": n_tok / max(gen_s, 1e-9),
             "searcher/round_s": time.time() - t0, "searcher/version": version,
-            "searcher/sends_in_flight": self.transport.progress()})
+            "searcher/sends_in_flight": self.transport.progress(), **self.timers.metrics()})
 
-    def _next_prompts(self, n: int) -> list[int]:
-        """The next n prompts of this searcher's slice, reshuffled at each pass."""
-        out = []
+    def _next_prompts(self, pool: int | None, n: int) -> list[int]:
+        """The next n prompts of a pool (this searcher's slice, or its part in one learner
+        shard), reshuffled at each pass."""
+        out, order, members = [], self.orders[pool], self.pools[pool]
+        if n and not members:
+            raise ValueError(f"searcher {self.index} holds no prompt of learner shard {pool}")
         while len(out) < n:
-            if not self.order:
-                self.order = list(self.rng.permutation(len(self.prompts)))
-            out.append(int(self.order.pop()))
+            if not order:
+                order.extend(members[j] for j in self.rng.permutation(len(members)).tolist())
+            out.append(int(order.pop()))
         return out
+
+    def save_cursors(self) -> None:
+        """Persist the prompt cursors (atomically; called before a round picks its prompts)."""
+        state = {"rng": self.rng.bit_generator.state, "rounds": self.rounds,
+                 "orders": {str(k): v for k, v in self.orders.items()}}
+        os.makedirs(os.path.dirname(self.state_path), exist_ok=True)
+        tmp = f"{self.state_path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(state, f)
+        os.replace(tmp, self.state_path)
+
+    def load_cursors(self) -> None:
+        """Continue a resumed run's pass over the prompts where the last run left it."""
+        if not os.path.exists(self.state_path):
+            return
+        try:
+            with open(self.state_path) as f:
+                state = json.load(f)
+            orders = {None if k == "None" else int(k): [int(i) for i in v]
+                      for k, v in state["orders"].items()}
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"unreadable searcher state {self.state_path}: {e}") from None
+        if set(orders) != set(self.orders) or any(
+                i not in set(self.pools[k]) for k, v in orders.items() for i in v):
+            print(f"hpc-tba: searcher {self.index}: {self.state_path} is from another layout or "
+                  "mode; starting a fresh pass over the prompts", file=sys.stderr, flush=True)
+            return
+        self.rng.bit_generator.state = state["rng"]
+        self.orders = orders
 
     def evaluate(self, version: int) -> None:
         """Greedy pass@1 on this searcher's slice of the test split, reported to learner 0."""
@@ -165,6 +243,10 @@ class Searcher:
         return bool(self.transport.poll(Tag.STOP))
 
     def finish(self) -> None:
+        self.log.scalars(self.rounds, self.timers.metrics())
+        self.log.write_json(f"summary_searcher{self.index}.json",
+                            {"rounds": self.rounds, "restarts": self.restarts, "sent": self.sent,
+                             "time": self.timers.metrics()})
         self.transport.flush()
         for r in self.topo.learner_ranks:
             self.transport.send_array(r, Tag.DONE, np.array([self.transport.sent_to.get(r, 0)], np.int64))
