@@ -8,13 +8,13 @@ per-rank means instead gives a different gradient, so the comparison can fail.
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from hpc_tba.comm.groups import free_ports
 from hpc_tba.losses import (
     LossConfig,
     LossInputs,
@@ -109,16 +109,10 @@ def _worker(rank: int, world: int, port: int, path: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("dist") / "grads.pt")
-    mp.spawn(_worker, args=(2, _free_port(), path), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_ports(1)[0], path), nprocs=2, join=True)
     return torch.load(path)
 
 

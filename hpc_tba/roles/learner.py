@@ -151,8 +151,8 @@ class Learner:
                 metrics.update(t.metrics())
                 self.log.scalars(self.step, reduce_metrics(metrics, sum_prefix="loss/"))
                 self.log.progress(self.step, self._postfix(metrics))
-            self.preempted = self._signalled()
-            if self.preempted or last or self._checkpoint_due():
+            self.preempted, due = self._step_flags()
+            if self.preempted or last or due:
                 with t("checkpoint"):
                     self.save_checkpoint()
             if self.preempted:
@@ -160,16 +160,15 @@ class Learner:
         return self.finish()
 
     # ------------------------------------------------------------------ checkpoints
-    def _signalled(self) -> bool:
-        """Did any learner rank get a preemption signal? (all ranks must checkpoint together)"""
-        mine = float(self.preemption is not None and self.preemption.is_set())
-        return bool(reduce_metrics({"signal": mine}, op="sum")["signal"] > 0)
-
-    def _checkpoint_due(self) -> bool:
+    def _step_flags(self) -> tuple[bool, bool]:
+        """(a preemption signal reached some learner rank, a checkpoint is due on some rank),
+        agreed by every learner rank in one all-reduce, since all must checkpoint together."""
         every, interval = self.cfg.checkpoint_every, self.cfg.checkpoint_interval_s
         due = (every > 0 and self.step % every == 0) or (
             interval > 0 and time.time() - self._last_ckpt[1] >= interval)
-        return bool(reduce_metrics({"due": float(due)}, op="sum")["due"] > 0)
+        signal = self.preemption is not None and self.preemption.is_set()
+        flags = reduce_metrics({"signal": float(signal), "due": float(due)}, op="sum")
+        return flags["signal"] > 0, flags["due"] > 0
 
     def save_checkpoint(self) -> str:
         t0 = time.time()
