@@ -1,0 +1,350 @@
+"""GPU code paths that one GPU can exercise (`pytest -m gpu`; tools/gpu_check.sh runs this file).
+
+1. Weight sync with CUDA tensors: a ZeRO-3 sender (DeepSpeed on CUDA, NCCL default group of
+   one) and a CUDA receiver in another process, over a gloo sync group (NCCL refuses two ranks
+   on one GPU); fp32 and bf16 wire, direct shard gathers and GatheredParameters, bit-exact.
+2. The learner's engine on CUDA: the tiny Llama of hpc_tba.models.tiny (built here, no
+   download) loaded by hpc_tba.models.loading under ZeRO-3 in bf16, trained a few steps with TB
+   then GRPO through hpc_tba.losses.compute_loss (finite, decreasing); the direct shard gathers
+   of WeightSender equal GatheredParameters bit-exactly; a checkpoint of the CUDA engine loads
+   with weights_only into a fresh one bit-exactly.
+3. With two GPUs or more: test 1 over NCCL, receiver on the second GPU.
+
+Each test skips, with the reason, where CUDA, deepspeed or a second GPU is missing.
+HPC_TBA_GPU_TESTS_ON_CPU=1 rehearses the file on a CPU machine (gloo, DeepSpeed's CPU
+accelerator): it checks the test code before a GPU is spent on it and proves nothing about CUDA.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from hpc_tba.comm.groups import free_ports
+from hpc_tba.comm.weight_sync import FLAG_EVAL, Manifest
+
+ON_CPU = os.environ.get("HPC_TBA_GPU_TESTS_ON_CPU") == "1"
+DEVICE = "cpu" if ON_CPU else "cuda"
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not ON_CPU and not torch.cuda.is_available(), reason="needs an NVIDIA GPU (no CUDA)"),
+    pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                       reason="needs deepspeed (tools/gpu_check.sh installs it from .whl)"),
+]
+
+SHAPES = [("embed.weight", (64, 16)), ("layers.0.attn.weight", (16, 16)), ("layers.0.norm", (16,)),
+          ("layers.1.attn.weight", (16, 16)), ("layers.1.norm", (7,)), ("head.weight", (64, 16))]
+
+
+def _spawn(fn, nprocs: int, args: tuple, *, timeout_s: float) -> None:
+    """Run fn(rank, *args) in `nprocs` fresh processes; a child's exception fails the test."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.spawn(fn, args=args, nprocs=nprocs, join=False)
+    deadline = time.time() + timeout_s
+    try:
+        while not ctx.join(timeout=1):
+            assert time.time() < deadline, f"{fn.__name__} processes hung for {timeout_s:.0f}s"
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+
+
+def _device(index: int) -> torch.device:
+    if ON_CPU:
+        return torch.device("cpu")
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def _learner_group(port: int):
+    """The learners' default group as the learner makes it, with one rank (NCCL on CUDA)."""
+    os.environ.update(DS_ACCELERATOR="cpu" if ON_CPU else "cuda", RANK="0", LOCAL_RANK="0",
+                      WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo" if ON_CPU else "nccl", auto_mpi_discovery=False,
+                               init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                               verbose=False)
+    return deepspeed
+
+
+def _groups(rank: int, ports: list[int], *, backend: str):
+    """(sync group of the test's backend, gloo control group), both of the two processes."""
+    from hpc_tba.comm.weight_sync import new_group
+
+    sync = new_group(host="127.0.0.1", port=ports[0], rank=rank, size=2, backend=backend, timeout_s=180)
+    ctl = new_group(host="127.0.0.1", port=ports[1], rank=rank, size=2, backend="gloo", timeout_s=180)
+    return sync, ctl
+
+
+def _barrier(ctl) -> None:
+    ctl.allreduce([torch.zeros(1)]).wait()
+
+
+# ---------------------------------------------------------------- 1 and 3: synthetic weights
+
+
+class _Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        for name, shape in SHAPES:
+            self.register_parameter(name.replace(".", "_"), torch.nn.Parameter(torch.zeros(shape)))
+
+
+def _weights(version: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(version)
+    return [torch.randn(s, generator=g) for _, s in SHAPES]
+
+
+def _send_versions(model, manifest, sync, ctl, *, device, direct: bool) -> None:
+    import deepspeed
+
+    from hpc_tba.comm.weight_sync import WeightSender
+
+    sender = WeightSender(model, manifest, sync, device=str(device), direct_gather=direct)
+    assert sender.direct == direct, "ZeRO-3 shards are not where the sender's buffers are"
+    params = list(model.parameters())
+    for v in (1, 2, 3, 4, 5, 6):
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
+            for p, w in zip(params, _weights(v)):
+                p.data.copy_(w)
+        assert sender.send(v, flags=FLAG_EVAL if v in (2, 5) else 0) == manifest.total_bytes
+        if v <= 3:  # one at a time; 4-6 back to back: take() must return only the newest
+            _barrier(ctl)
+    _barrier(ctl)
+    sender.stop()
+
+
+def _check(staged, version: int, manifest, device) -> None:
+    assert staged is not None and staged.version == version
+    for (name, got), want in zip(staged.tensors, _weights(version)):
+        assert got.device.type == device.type and got.dtype == manifest.dtype, name
+        assert torch.equal(got.cpu(), want.to(manifest.dtype)), f"{name} differs in version {version}"
+
+
+def _receive_versions(manifest, sync, ctl, *, device) -> None:
+    from hpc_tba.comm.weight_sync import WeightReceiver
+
+    rx = WeightReceiver(manifest, sync, device=str(device))
+    for v in (1, 2, 3):
+        assert rx.wait_for(v, timeout=60), f"version {v} never arrived"
+        staged, evals = rx.take()
+        _check(staged, v, manifest, device)
+        assert evals == ([2] if v == 2 else [])
+        _barrier(ctl)
+    _barrier(ctl)
+    assert rx.wait_for(6, timeout=60)
+    staged, evals = rx.take()
+    _check(staged, 6, manifest, device)
+    assert evals == [5] and rx.received_versions == [1, 2, 3, 4, 5, 6]
+    rx.join(timeout=60)
+    assert rx.stopped and rx.error is None
+
+
+def _sync_worker(rank: int, ports: list[int], tmp: str, backend: str) -> None:
+    torch.set_num_threads(1)
+    device = _device(rank if backend == "nccl" else 0)  # NCCL: one GPU per rank
+    model = None
+    if rank == 0:  # the learner: ZeRO-3 partitions the module onto its GPU
+        deepspeed = _learner_group(ports[2])
+        with deepspeed.zero.Init(config_dict_or_path={"train_micro_batch_size_per_gpu": 1,
+                                                      "zero_optimization": {"stage": 3}}):
+            model = _Model()
+        assert all(p.ds_tensor.device.type == device.type for p in model.parameters())
+    sync, ctl = _groups(rank, ports, backend=backend)
+    named = [(n.replace(".", "_"), s) for n, s in SHAPES]
+    for wire, direct in [(torch.bfloat16, True), (torch.bfloat16, False), (torch.float32, True)]:
+        manifest = Manifest.build(named, bucket_bytes=2048, wire_dtype=wire)
+        if rank == 0:
+            _send_versions(model, manifest, sync, ctl, device=device, direct=direct)
+        else:
+            _receive_versions(manifest, sync, ctl, device=device)
+        _barrier(ctl)
+    Path(tmp, f"ok{rank}").touch()
+
+
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+def test_weight_sync_with_device_tensors(tmp_path, backend):
+    if backend == "nccl" and (ON_CPU or torch.cuda.device_count() < 2):
+        pytest.skip("NCCL weight sync needs 2 GPUs (NCCL refuses two ranks on one GPU); "
+                    "the gloo case covers CUDA tensors on one")
+    _spawn(_sync_worker, 2, (free_ports(3), str(tmp_path), backend), timeout_s=150)
+    assert sorted(os.listdir(tmp_path)) == ["ok0", "ok1"]
+
+
+# ---------------------------------------------------------------- 2: the learner's engine
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    """The embedded tiny Llama, built here (tokenizer, weights, a short warm start)."""
+    from hpc_tba.models.config import ModelConfig
+    from hpc_tba.models.tiny import ensure_embedded_model
+    from hpc_tba.tasks import TaskConfig
+
+    cache = tmp_path_factory.mktemp("models")
+    return str(ensure_embedded_model(ModelConfig(cache_dir=str(cache), sft_steps=30), TaskConfig()))
+
+
+def _trajectories(path: str, *, prompts: int = 4, k: int = 4):
+    """A TB/GRPO batch: per prompt the right answer and k-1 wrong ones, scored by the task."""
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    from hpc_tba.tasks import TaskConfig, build_task
+
+    tok, task = AutoTokenizer.from_pretrained(path), build_task(TaskConfig())
+    prompt_ids, response_ids, texts, group = [], [], [], []
+    for g, p in enumerate(task.prompts("train")[:prompts]):
+        for j in range(k):
+            answer = p.answer if j == 0 else str(int(p.answer) + 7 * j)
+            prompt_ids.append(np.asarray(tok(p.text)["input_ids"]))
+            response_ids.append(np.asarray(tok(answer, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]))
+            texts.append((p, answer))
+            group.append(g)
+    rewards = task.score([p for p, _ in texts], [a for _, a in texts])
+    return (prompt_ids, response_ids, torch.as_tensor(rewards, dtype=torch.float32), torch.as_tensor(group),
+            tok.pad_token_id)
+
+
+def _engine(path: str, deepspeed, *, lr: float):
+    from hpc_tba.models.loading import load_causal_lm
+    from hpc_tba.roles.config import LearnerConfig
+    from hpc_tba.roles.learner import deepspeed_config
+
+    cfg = LearnerConfig(dtype="bf16", lr=lr, warmup_steps=1)
+    ds = deepspeed_config(cfg, micro_batch=16, train=True)
+    policy = load_causal_lm(path, dtype=torch.bfloat16, zero3_config=ds, rank=0)
+    opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    engine, *_ = deepspeed.initialize(model=policy, optimizer=opt, lr_scheduler=sched, config=ds)
+    return engine
+
+
+def _train(engine, batch, loss_name: str, steps: int, device) -> dict[str, list[float]]:
+    """`steps` updates on one batch: the losses, and the mean sequence log-prob of the rewarded
+    responses minus that of the others, before and after."""
+    from hpc_tba.losses import LossConfig, LossInputs, compute_loss
+    from hpc_tba.roles.policy import pack, response_logprobs
+
+    prompts, responses, rewards, groups, pad = batch
+    packed = pack(prompts, responses, pad_id=pad)
+    packed = dataclasses.replace(packed, **{f.name: getattr(packed, f.name).to(device)
+                                            for f in dataclasses.fields(packed)})
+    rewards, groups = rewards.to(device), groups.to(device)
+    cfg = LossConfig(name=loss_name, **({"kl_coef": 0.04} if loss_name == "grpo" else {}))
+    def margin(logp: torch.Tensor) -> float:
+        seq = logp.sum(-1)  # [B] padding positions are 0
+        return float(seq[rewards > 0.5].mean() - seq[rewards <= 0.5].mean())
+
+    with torch.no_grad():  # the policy before these steps: behaviour and reference
+        logp_start = response_logprobs(engine, packed, temperature=1.0)
+    losses = []
+    for step in range(steps):
+        logp = response_logprobs(engine, packed, temperature=1.0)
+        assert logp.device.type == device.type
+        loss, _ = compute_loss(cfg, LossInputs(logp=logp, logp_ref=logp_start, logp_behavior=logp_start,
+                                               mask=packed.response_mask, rewards=rewards,
+                                               group_ids=groups), step=step)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    with torch.no_grad():
+        logp_end = response_logprobs(engine, packed, temperature=1.0)
+    return {"loss": losses, "margin": [margin(logp_start), margin(logp_end)]}
+
+
+def _gathered(engine, deepspeed) -> dict[str, torch.Tensor]:
+    params = dict(engine.module.named_parameters())
+    with deepspeed.zero.GatheredParameters(list(params.values())):
+        return {n: p.detach().cpu().clone() for n, p in params.items()}
+
+
+def _checkpoint_round_trip(engine, path: str, deepspeed, run_dir: str) -> list[str]:
+    """Save the CUDA engine, load it weights_only into a fresh one: what differs afterwards."""
+    from hpc_tba import checkpoint
+
+    ckpt = checkpoint.save(engine, run_dir=run_dir, step=1, learner_rank=0, shard_state={},
+                           learner_state={"step": 1}, keep_last=1)
+    fresh = _engine(path, deepspeed, lr=1e-3)
+    checkpoint.load(fresh, ckpt, learner_rank=0)
+    a, b = _gathered(engine, deepspeed), _gathered(fresh, deepspeed)
+    bad = [n for n in a if not torch.equal(a[n], b[n])]
+    za, zb = engine.optimizer.state_dict(), fresh.optimizer.state_dict()
+    bad += [f"fp32[{i}]" for i, (x, y) in enumerate(zip(za["fp32_flat_groups"], zb["fp32_flat_groups"]))
+            if not torch.equal(x.cpu(), y.cpu())]
+    for key, st in za["optimizer_state_dict"]["state"].items():
+        other = zb["optimizer_state_dict"]["state"][key]
+        bad += [f"adam.{key}.{n}" for n, v in st.items() if not torch.equal(v.cpu(), other[n].cpu())]
+    return bad
+
+
+def _engine_worker(rank: int, ports: list[int], tmp: str, path: str) -> None:
+    from hpc_tba.comm.weight_sync import WeightReceiver, WeightSender
+
+    torch.set_num_threads(2)
+    device, out = _device(0), Path(tmp)
+    deepspeed = _learner_group(ports[2]) if rank == 0 else None
+    sync, ctl = _groups(rank, ports, backend="gloo")
+    if rank == 1:  # a searcher's receiver: the two versions the learner sends
+        _barrier(ctl)
+        manifest = Manifest.from_json(json.loads((out / "manifest.json").read_text()))
+        rx = WeightReceiver(manifest, sync, device=str(device))
+        for v in (1, 2):
+            assert rx.wait_for(v, timeout=120), f"version {v} never arrived"
+            staged, _ = rx.take()
+            assert all(t.device.type == device.type for _, t in staged.tensors)
+            torch.save({n: t.cpu().clone() for n, t in staged.tensors}, out / f"v{v}.pt")
+            _barrier(ctl)
+        rx.join(timeout=60)
+        return
+    engine = _engine(path, deepspeed, lr=1e-3)
+    assert all(p.ds_tensor.device.type == device.type and p.ds_tensor.dtype == torch.bfloat16
+               for p in engine.module.parameters())
+    batch = _trajectories(path)
+    report = {"rewards": batch[2].tolist(), "device": torch.cuda.get_device_name() if not ON_CPU else "cpu",
+              "tb": _train(engine, batch, "tb", 6, device), "grpo": _train(engine, batch, "grpo", 6, device)}
+    names = [(n, tuple(p.ds_shape)) for n, p in engine.module.named_parameters()]
+    manifest = Manifest.build(names, bucket_bytes=1 << 16, wire_dtype=torch.bfloat16)
+    (out / "manifest.json").write_text(json.dumps(manifest.to_json()))
+    _barrier(ctl)
+    for v, direct in ((1, True), (2, False)):  # shard gathers, then GatheredParameters
+        sender = WeightSender(engine.module, manifest, sync, device=str(device), direct_gather=direct)
+        assert sender.direct == direct
+        sender.send(v)
+        _barrier(ctl)
+    sender.stop()
+    torch.save(_gathered(engine, deepspeed), out / "gathered.pt")
+    report["checkpoint_differs"] = _checkpoint_round_trip(engine, path, deepspeed, str(out / "run"))
+    (out / "report.json").write_text(json.dumps(report))
+
+
+def test_zero3_bf16_engine_trains_syncs_and_resumes(tmp_path, tiny_model):
+    _spawn(_engine_worker, 2, (free_ports(3), str(tmp_path), tiny_model), timeout_s=240)
+    report = json.loads((tmp_path / "report.json").read_text())
+    print(json.dumps(report))
+    assert 0 < sum(report["rewards"]) < len(report["rewards"]), "the batch needs right and wrong answers"
+    for name in ("tb", "grpo"):
+        losses, (before, after) = report[name]["loss"], report[name]["margin"]
+        assert all(math.isfinite(x) for x in losses), f"{name}: {losses}"
+        assert after > before, f"{name}: the rewarded answers did not gain log-prob ({before} -> {after})"
+    tb = report["tb"]["loss"]
+    assert tb[-1] < tb[0], f"tb did not decrease: {tb}"  # GRPO's starts at 0 (ratio 1, zero-mean A)
+    v1, v2 = torch.load(tmp_path / "v1.pt"), torch.load(tmp_path / "v2.pt")
+    gathered = torch.load(tmp_path / "gathered.pt")
+    assert v1.keys() == gathered.keys()
+    for name, want in gathered.items():
+        assert want.dtype == torch.bfloat16
+        assert torch.equal(v1[name], want), f"direct shard gather differs on {name}"
+        assert torch.equal(v2[name], want), f"GatheredParameters sync differs on {name}"
+    assert report["checkpoint_differs"] == []

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# The GPU checks, in one command, for a lent GPU machine with no network (tests/test_gpu.py).
+#
+#   bash tools/gpu_check.sh            # from anywhere; the log goes to $OUT/gpu_check.log if OUT is set
+#
+# 1. Installs the wheels carried in .whl/ (deepspeed and what it needs that such a machine lacks:
+#    pydantic, pydantic-core, annotated-types, typing-inspection, typing-extensions, hjson) into
+#    $GPU_CHECK_SITE (default /tmp/site), without the network, compiling nothing.
+# 2. Prints the GPUs, the driver, and the versions of torch and of every package the tests use.
+# 3. Runs the tests marked `gpu` in tests/test_gpu.py with hpc_tba imported from this checkout.
+# Exits with pytest's status (1 if the wheels do not install). Preparing .whl/ (on a machine with
+# pip's registry; it is ignored by git):
+#   cp ~/.cache/pip/wheels/*/*/*/*/deepspeed-0.19.8-py3-none-any.whl .whl/   # or: pip wheel --no-deps deepspeed==0.19.8
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+#     -d .whl pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \
+#     typing-extensions==4.16.0 hjson==3.1.0
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
+PY=${PYTHON:-python3}
+SITE=${GPU_CHECK_SITE:-/tmp/site}
+export PYTHONUNBUFFERED=1
+
+main() {
+    echo "== wheels ($(ls .whl/*.whl 2>/dev/null | wc -l) in .whl/)"
+    if compgen -G ".whl/*.whl" >/dev/null; then
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target "$SITE" .whl/*.whl || { echo "gpu_check: the carried wheels did not install"; return 1; }
+    fi
+    export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+    echo "== machine"
+    nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv 2>&1 || echo "no nvidia-smi"
+    "$PY" - <<'EOF'
+import importlib
+import importlib.metadata
+import sys
+
+import torch
+
+print("python", sys.version.split()[0], sys.executable)
+print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available(),
+      "devices", torch.cuda.device_count())
+if torch.cuda.is_available():
+    print("nccl", torch.cuda.nccl.version(), [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])
+for dist, name in [("transformers", "transformers"), ("tokenizers", "tokenizers"), ("safetensors", "safetensors"),
+                   ("numpy", "numpy"), ("typing-extensions", "typing_extensions"), ("pydantic", "pydantic"),
+                   ("hjson", "hjson"), ("deepspeed", "deepspeed"), ("pytest", "pytest")]:
+    try:
+        module = importlib.import_module(name)
+        print(f"{dist} {importlib.metadata.version(dist)} {module.__file__}")
+    except Exception as e:  # keep going: the tests say which of them they need
+        print(f"{dist} NOT IMPORTABLE: {type(e).__name__}: {e}")
+EOF
+
+    echo "== tests (pytest -m gpu tests/test_gpu.py)"
+    timeout "${GPU_CHECK_TIMEOUT_S:-420}" "$PY" -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -rA \
+        --durations=0 "$@"
+    local rc=$?
+    echo "gpu_check: pytest exited with $rc"
+    return $rc
+}
+
+if [[ -n "${OUT:-}" ]]; then
+    mkdir -p "$OUT"
+    main "$@" 2>&1 | tee "$OUT/gpu_check.log"
+    exit "${PIPESTATUS[0]}"
+fi
+main "$@"
