@@ -226,12 +226,12 @@ def report(out: dict) -> str:
         return f"{d['mean']:.2f}{unit} ± {d['std']:.2f} (min {d['min']:.2f}, max {d['max']:.2f}, n={d['n']})"
 
     lines = [f"target held-out pass@1 {out['target']:.2f}, seeds {out['seeds']}", "",
-             f"{'':26}{'sync':>14}{'async':>14}"]
+             f"{'':26}{'sync':>18}{'async':>18}"]
     for key, name in (("time_to_target_s", "time to target (s)"), ("steps_to_target", "steps to target"),
                       ("s_per_step", "s per step (all steps)"), ("final_pass@1", "final pass@1")):
         vals = {m: _spread([r[key] for r in out["runs"][m]]) for m in ("sync", "async")}
         cells = [f"{v['mean']:.3g} ± {v['std']:.2g}" if v.get("n") else "n/a" for v in vals.values()]
-        lines.append(f"{name:26}{cells[0]:>14}{cells[1]:>14}")
+        lines.append(f"{name:26}{cells[0]:>18}{cells[1]:>18}")
     lines += ["", f"sync ÷ async time to target:  {fmt(out['ratio_time_to_target'])}",
               f"sync ÷ async steps to target: {fmt(out['ratio_steps_to_target'])}",
               f"sync ÷ async seconds per step: {fmt(out['ratio_s_per_step'])}", "",

