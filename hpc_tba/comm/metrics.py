@@ -5,11 +5,12 @@ import torch
 
 
 def reduce_metrics(metrics: dict[str, float], *, op: str = "mean",
-                   sum_prefix: str | None = None) -> dict[str, float]:
+                   sum_prefix: str | tuple[str, ...] | None = None) -> dict[str, float]:
     """All-reduce a dict of floats over the learners' default group (identity without one).
 
-    `op` is mean, sum or min; keys starting with `sum_prefix` are summed whatever `op` is (a
-    loss computed with a global normaliser is this rank's share). Every rank must pass the same
+    `op` is mean, sum or min; keys starting with `sum_prefix` (a prefix or a tuple of them) are
+    summed whatever `op` is (a loss computed with a global normaliser is this rank's share, a
+    sample count is this rank's part of the total). Every rank must pass the same
     keys: missing keys on some ranks would misalign the flat tensor, so they are unioned first
     via sorted order of what this rank has — callers build metrics on identical code paths.
     """

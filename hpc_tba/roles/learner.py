@@ -89,6 +89,7 @@ class Learner:
         self._probe_logp: dict[int, np.ndarray] = {}
         self.sync_gaps: dict[int, dict[int, float]] = {}  # searcher rank -> version -> max gap
         self._incoming = {"rewards": [], "samples": 0, "t": time.time()}
+        self.samples = {"received": 0, "trained": 0}  # cumulative responses, this rank
         self.on_policy: list[TrajectoryBatch] = []  # mode=sync: batches of the current version
         self.timers = Timers()
         self.version_time: dict[int, float] = {}  # version -> seconds into training it was sent
@@ -149,7 +150,7 @@ class Learner:
                     metrics.update(self.sync(evaluate=last or self._eval_due()))
             if self.step % self.cfg.log_every == 0 or last:
                 metrics.update(t.metrics())
-                self.log.scalars(self.step, reduce_metrics(metrics, sum_prefix="loss/"))
+                self.log.scalars(self.step, reduce_metrics(metrics, sum_prefix=("loss/", "samples/")))
                 self.log.progress(self.step, self._postfix(metrics))
             self.preempted, due = self._step_flags()
             if self.preempted or last or due:
@@ -216,6 +217,7 @@ class Learner:
             self.received[src] = self.received.get(src, 0) + 1
             self._incoming["rewards"].append(float(batch.rewards.mean()))
             self._incoming["samples"] += batch.num_responses
+            self.samples["received"] += batch.num_responses
             n += 1
         for src, buf in self.transport.poll(Tag.DONE):
             self.done[src] = int(buf.view(np.int64)[0])
@@ -273,6 +275,8 @@ class Learner:
         out.update(self._mismatch(batch, logp.detach(), inputs.logp_behavior, packed.response_mask))
         out.update(self._incoming_metrics())
         out["reward/sampled_mean"] = float(batch.rewards.mean())
+        self.samples["trained"] += batch.size
+        out.update({f"samples/{k}": float(v) for k, v in self.samples.items()})
         out["perf/step_s"] = dt
         out["perf/train_tokens_per_s"] = packed.num_response_tokens / max(dt, 1e-9)
         out["train/lr"] = float(self.engine.get_lr()[0])

@@ -210,5 +210,56 @@ ALOL = Experiment(
     prepare=prepare_alol,
 )
 
-EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (TOPR, ALOL)}
+# --------------------------------------------------------------------------- TBA
+
+_TB = ("algo=tb",)
+TBA = Experiment(
+    name="tba",
+    title="TBA: asynchronous TB vs synchronous GRPO and RLOO (online, embedded task)",
+    description=(
+        "Bartoldson et al. (2025) decouple search from training: searchers generate without "
+        "pause, the learner trains with the trajectory-balance loss on replay-buffer samples "
+        "(recent with probability m), and they report reaching a target accuracy several times "
+        "faster in wall-clock time than synchronous on-policy training, with more diverse "
+        "solutions. Here, on 2 CPU cores (1 learner + 2 searchers, pinned), the embedded "
+        "arithmetic task and model: TB asynchronous (the default run) against GRPO and RLOO run "
+        "synchronously on the same machinery (`learner=sync`: the searchers generate one batch "
+        "with the current weights, the learner trains on exactly it and syncs, repeat; same G = 16 "
+        "prompts × K = 10 samples per step, same lr 3e-5), then TBA's knobs: recency m = 0.5 "
+        "instead of 0.95, and 1 searcher instead of 2. 60 learner steps per run; held-out greedy "
+        "pass@1 on the 200 test prompts every 10 steps (the searchers evaluate), and the exported "
+        "final model evaluated with 8 samples per prompt at T = 0.7 (pass@1, pass@8, distinct-2 "
+        "of the samples). Wall clock starts when every rank has built its role (model loading "
+        "excluded). On this task a correct response is one number, so the paper's 'distinct "
+        "correct solutions per prompt' is 1 by construction; distinct-2 over all samples is "
+        "reported instead. The sync ÷ async speed-up with 3 seeds and its time breakdown is "
+        "`tools/bench_async.py` (README, docs/SIMULATION.md)."),
+    arms=(
+        Arm("tb_async", "TB async (TBA)", _TB, group="schedule and objective"),
+        Arm("grpo_sync", "GRPO sync", ("algo=grpo", "learner=sync"), group="schedule and objective"),
+        Arm("rloo_sync", "RLOO sync", ("algo=rloo", "learner=sync"), group="schedule and objective"),
+        Arm("tb_async_m50", "TB async, m = 0.5", (*_TB, "buffer.recency_m=0.5"), group="TBA's knobs"),
+        Arm("tb_async_1s", "TB async, 1 searcher", (*_TB, "cluster.num_searchers=1"),
+            group="TBA's knobs"),
+    ),
+    common=("learner.total_steps=60", "learner.eval_every=10"),
+    quick=("learner.total_steps=4", "learner.eval_every=2"),
+    eval_args=("--samples", "8", "--ks", "1,8", "--diversity"),
+    curve_keys=("samples/received", "samples/trained", "buffer/staleness_mean"),
+    columns=(Column("summary/pass@1_after", "pass@1 greedy (end)"),
+             Column("eval/pass@1", "pass@1 T=0.7"),
+             Column("eval/pass@8", "pass@8"),
+             Column("diversity/distinct_2", "distinct-2", "float"),
+             Column("time/elapsed_s@last", "wall clock", "s"),
+             Column("samples/received@last", "samples generated", "int"),
+             Column("buffer/staleness_mean@mean", "mean staleness (steps)", "float")),
+    plots=(Plot("curve", "test/pass@1", x="time/elapsed_s", title="Held-out pass@1 vs wall clock",
+                ylabel="pass@1 (greedy)", xlabel="seconds since every rank was ready"),
+           Plot("curve", "test/pass@1", x="samples/received", title="Held-out pass@1 vs samples "
+                "generated", ylabel="pass@1 (greedy)", xlabel="responses generated"),
+           Plot("bar", "eval/pass@8", title="pass@8 of the final policy (T = 0.7)",
+                ylabel="pass@8")),
+)
+
+EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (TOPR, ALOL, TBA)}
 """Every experiment `run.py` knows, in the order `run.py all` runs them."""
