@@ -323,25 +323,55 @@ def _learner_rows(run_dir: Path) -> list[dict]:
     return [json.loads(ln) for ln in path.read_text().splitlines()] if path.exists() else []
 
 
+PMI2_MISREAD = "mpi/pmi2: invalid client request"
+"""Slurm 22.05's pmi2 plugin now and then misreads a long PMI2 request (MPICH's address exchange)
+and MPI_Init fails before any of our code runs (here: intermittently, at a job's first start or
+after its requeue; the same error is reported on real clusters). Only that signature earns a
+resubmission."""
+
+
+def _pmi2_misread(log: Path) -> bool:
+    text = log.read_text() if log.exists() else ""
+    return PMI2_MISREAD in text and "MPI_Init" in text
+
+
+def _reached_step(slurm, job: str, run_dir: Path, log: Path, step: int) -> bool:
+    """Wait until the job's learner logged `step`; False if the job died of PMI2_MISREAD."""
+    deadline = time.monotonic() + 600
+    while not any(r.get("step", 0) >= step for r in _learner_rows(run_dir)):
+        state = slurm.job_info(job)["JobState"]
+        if state not in ("PENDING", "RUNNING"):
+            if _pmi2_misread(log):
+                return False
+            text = log.read_text() if log.exists() else ""
+            raise AssertionError(f"job {job} is {state} before step {step}:\n{text[-3000:]}")
+        assert time.monotonic() < deadline, f"the run never reached step {step}"
+        time.sleep(0.5)
+    return True
+
+
 @NEEDS_RUN
 @NEEDS_RESUME
 def test_usr1_mid_run_requeues_and_resumes_the_real_run(slurm, tmp_path):
     """`sbatch slurm/tiny_cpu.sh resume=auto`, USR1 mid-run (what --signal=USR1@grace sends):
     every role checkpoints, the job requeues itself, and the same job id resumes from that step."""
-    run_dir = tmp_path / "run"
     total = 12
-    job = slurm.sbatch([str(REPO / "slurm" / "tiny_cpu.sh"), f"learner.total_steps={total}",
-                        "learner.eval_every=0", "resume=auto"], cwd=tmp_path,
-                       env={"HPC_TBA_PYTHON": sys.executable, "HPC_TBA_RUN_DIR": str(run_dir)})
-    log = tmp_path / f"tiny_cpu-{job}.out"
-    deadline = time.monotonic() + 600
-    while not any(r.get("step", 0) >= 3 for r in _learner_rows(run_dir)):
-        assert slurm.job_info(job)["JobState"] in ("PENDING", "RUNNING"), log.read_text()[-3000:]
-        assert time.monotonic() < deadline, "the run never reached step 3"
-        time.sleep(0.5)
-    slurm.run(["scancel", "--signal=USR1", job])
-    state = slurm.wait(job, timeout_s=900, states={"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"})
-    assert state == "COMPLETED", log.read_text()[-3000:]
+    for attempt in range(3):
+        run_dir = tmp_path / f"run{attempt}"
+        job = slurm.sbatch([str(REPO / "slurm" / "tiny_cpu.sh"), f"learner.total_steps={total}",
+                            "learner.eval_every=0", "resume=auto"], cwd=tmp_path,
+                           env={"HPC_TBA_PYTHON": sys.executable, "HPC_TBA_RUN_DIR": str(run_dir)})
+        log = tmp_path / f"tiny_cpu-{job}.out"
+        if not _reached_step(slurm, job, run_dir, log, 3):
+            continue  # MPI_Init failed in Slurm's pmi2 plugin: submit again
+        slurm.run(["scancel", "--signal=USR1", job])
+        state = slurm.wait(job, timeout_s=900, states={"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"})
+        if state != "COMPLETED" and _pmi2_misread(log):
+            continue  # the requeued step's MPI_Init failed the same way
+        assert state == "COMPLETED", log.read_text()[-3000:]
+        break
+    else:
+        pytest.fail("MPI_Init failed under srun --mpi=pmi2 in 3 submissions:\n" + log.read_text()[-3000:])
     assert slurm.job_info(job)["Restarts"] == "1"
     rows = _learner_rows(run_dir)
     resumed = [int(r["checkpoint/resumed_step"]) for r in rows if "checkpoint/resumed_step" in r]
