@@ -137,19 +137,15 @@ class SampledBatch:
     def from_trajectories(cls, batches: list[TrajectoryBatch], k: int) -> SampledBatch:
         """The first K responses of each prompt's batch, as generated: the on-policy batch of
         `learner.mode=sync` (no replay buffer sampling, no dedupe between them)."""
-        rows = []
-        for g, b in enumerate(batches):
+        for b in batches:
             if b.num_responses < k:
                 raise ValueError(f"prompt {b.prompt_id} has {b.num_responses} responses, fewer than K={k}")
-            resp = b.responses()
-            ends = np.cumsum(b.lengths)
-            logp = np.split(b.logp_behavior, ends[:-1])
-            rows += [(b, g, resp[i], logp[i], float(b.rewards[i])) for i in range(k)]
+        splits = [np.cumsum(b.lengths)[:-1] for b in batches]
         return cls(
-            prompt_ids=np.array([b.prompt_id for b, *_ in rows], np.int64),
-            group_ids=np.array([g for _, g, *_ in rows], np.int64),
-            prompt_tokens=[b.prompt_tokens for b, *_ in rows],
-            response_tokens=[r for _, _, r, _, _ in rows],
-            rewards=np.array([x for *_, x in rows], np.float32),
-            logp_behavior=[lp for _, _, _, lp, _ in rows],
-            policy_versions=np.array([b.policy_version for b, *_ in rows], np.int64))
+            prompt_ids=np.repeat([b.prompt_id for b in batches], k).astype(np.int64),
+            group_ids=np.repeat(np.arange(len(batches), dtype=np.int64), k),
+            prompt_tokens=[b.prompt_tokens for b in batches for _ in range(k)],
+            response_tokens=[r for b in batches for r in b.responses()[:k]],
+            rewards=np.concatenate([b.rewards[:k] for b in batches]).astype(np.float32),
+            logp_behavior=[lp for b, s in zip(batches, splits) for lp in np.split(b.logp_behavior, s)[:k]],
+            policy_versions=np.repeat([b.policy_version for b in batches], k).astype(np.int64))

@@ -88,8 +88,8 @@ class Learner:
         self.probe: tuple[list[int], list[int]] | None = None  # (prompt, response) token ids
         self._probe_logp: dict[int, np.ndarray] = {}
         self.sync_gaps: dict[int, dict[int, float]] = {}  # searcher rank -> version -> max gap
-        self._incoming = {"rewards": [], "samples": 0, "t": time.time()}
         self.samples = {"received": 0, "trained": 0}  # cumulative responses, this rank
+        self._incoming = {"rewards": [], "received": 0, "t": time.time()}  # since the last step
         self.on_policy: list[TrajectoryBatch] = []  # mode=sync: batches of the current version
         self.timers = Timers()
         self.version_time: dict[int, float] = {}  # version -> seconds into training it was sent
@@ -216,7 +216,6 @@ class Learner:
                 self.on_policy.append(batch)
             self.received[src] = self.received.get(src, 0) + 1
             self._incoming["rewards"].append(float(batch.rewards.mean()))
-            self._incoming["samples"] += batch.num_responses
             self.samples["received"] += batch.num_responses
             n += 1
         for src, buf in self.transport.poll(Tag.DONE):
@@ -366,11 +365,11 @@ class Learner:
                 "sync/logprob_mismatch_max": float(gap.max())}
 
     def _incoming_metrics(self) -> dict[str, float]:
-        inc, now = self._incoming, time.time()
-        out = {"perf/gen_samples_per_s": inc["samples"] / max(now - inc["t"], 1e-9)}
+        inc, now, received = self._incoming, time.time(), self.samples["received"]
+        out = {"perf/gen_samples_per_s": (received - inc["received"]) / max(now - inc["t"], 1e-9)}
         if inc["rewards"]:
             out["reward/incoming_mean"] = float(np.mean(inc["rewards"]))
-        self._incoming = {"rewards": [], "samples": 0, "t": now}
+        self._incoming = {"rewards": [], "received": received, "t": now}
         return out
 
     def _on_eval(self, vals: np.ndarray) -> None:

@@ -220,8 +220,8 @@ class Searcher:
                       for k, v in state["orders"].items()}
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ValueError(f"unreadable searcher state {self.state_path}: {e}") from None
-        if set(orders) != set(self.orders) or any(
-                i not in set(self.pools[k]) for k, v in orders.items() for i in v):
+        members = {k: set(v) for k, v in self.pools.items()}
+        if set(orders) != set(members) or any(not members[k].issuperset(v) for k, v in orders.items()):
             print(f"hpc-tba: searcher {self.index}: {self.state_path} is from another layout or "
                   "mode; starting a fresh pass over the prompts", file=sys.stderr, flush=True)
             return
@@ -243,10 +243,11 @@ class Searcher:
         return bool(self.transport.poll(Tag.STOP))
 
     def finish(self) -> None:
-        self.log.scalars(self.rounds, self.timers.metrics())
+        times = self.timers.metrics()
+        self.log.scalars(self.rounds, times)
         self.log.write_json(f"summary_searcher{self.index}.json",
                             {"rounds": self.rounds, "restarts": self.restarts, "sent": self.sent,
-                             "time": self.timers.metrics()})
+                             "time": times})
         self.transport.flush()
         for r in self.topo.learner_ranks:
             self.transport.send_array(r, Tag.DONE, np.array([self.transport.sent_to.get(r, 0)], np.int64))
