@@ -35,15 +35,21 @@ def load_causal_lm(path: str, *, dtype: torch.dtype, zero3_config: dict | None, 
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if zero3_config is None:
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        check_dtype(model, dtype, where=path)
+        return model
     import deepspeed
     from safetensors import safe_open
 
     config = AutoConfig.from_pretrained(path)
     # Random init of empty shards is wasted work (every tensor is loaded next) and transformers'
     # initialisers index into parameters that are partitioned away, so it is switched off.
-    with _no_init_weights(), deepspeed.zero.Init(config_dict_or_path=zero3_config, dtype=dtype):
+    # The dtype travels in the DeepSpeed config, not as zero.Init's `dtype`: DeepSpeed 0.19's
+    # `dtype or fp16 if fp16_supported else bf16 if ...` makes an explicit fp32 bf16 on every
+    # accelerator without fp16 (the CPU accelerator on CPUs without mkldnn fp16).
+    with _no_init_weights(), deepspeed.zero.Init(config_dict_or_path=_with_precision(zero3_config, dtype)):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    check_dtype(model, dtype, where=path)
     where = _tensor_index(path) if rank == 0 else {}
     handles: dict[str, object] = {}
     try:
@@ -61,6 +67,25 @@ def load_causal_lm(path: str, *, dtype: torch.dtype, zero3_config: dict | None, 
     finally:
         handles.clear()
     return model
+
+
+def _with_precision(ds_config: dict, dtype: torch.dtype) -> dict:
+    """`ds_config` with its bf16/fp16 sections saying exactly `dtype`, which zero.Init then uses."""
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"ZeRO-3 builds fp32, bf16 or fp16 parameters, not {dtype}")
+    out = dict(ds_config)
+    out["bf16"] = {**ds_config.get("bf16", {}), "enabled": dtype == torch.bfloat16}
+    out["fp16"] = {**ds_config.get("fp16", {}), "enabled": dtype == torch.float16}
+    return out
+
+
+def check_dtype(model: torch.nn.Module, dtype: torch.dtype, *, where: str) -> None:
+    """Every parameter (its ZeRO-3 shard included) is `dtype`; raise naming the first that is not."""
+    for name, param in model.named_parameters():
+        shard = getattr(param, "ds_tensor", None)
+        for what, t in (("parameter", param), ("ZeRO-3 shard of", shard)):
+            if t is not None and t.dtype != dtype:
+                raise TypeError(f"{where}: {what} {name} is {t.dtype}, the config asked for {dtype}")
 
 
 def _no_init_weights():

@@ -1,6 +1,7 @@
 """Build the role this rank plays from the run configuration (the only place that does)."""
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from hpc_tba.config import RunConfig
@@ -89,12 +90,14 @@ def _learner(cfg: RunConfig, transport, topo: Topology, groups, model_path: str,
     from hpc_tba.buffer import BufferShard
     from hpc_tba.checkpoint import resolve_resume
     from hpc_tba.config import to_yaml
+    from hpc_tba.roles.config import resolve_wire_dtype
     from hpc_tba.roles.learner import Learner
 
     lrank = topo.learner_ranks.index(transport.rank)
+    learner_cfg = dataclasses.replace(cfg.learner, sync_wire_dtype=resolve_wire_dtype(cfg.learner, cfg.searcher))
     shard = BufferShard(cfg.buffer, shard_id=lrank, num_shards=topo.num_learners,
                         directory=os.path.join(cfg.run_dir, "buffer"), seed=cfg.learner.seed)
-    learner = Learner(cfg=cfg.learner, loss=cfg.algo, shard=shard, k=cfg.searcher.k,
+    learner = Learner(cfg=learner_cfg, loss=cfg.algo, shard=shard, k=cfg.searcher.k,
                       temperature=cfg.searcher.temperature, model_path=model_path,
                       transport=transport, topo=topo, sync_group=groups.sync_group,
                       run_dir=cfg.run_dir, preemption=preemption)

@@ -17,6 +17,19 @@ class LearnerConfig:
     """Learner updates in the run."""
     prompts_per_step: int = 16
     """Prompts per learner step on each learner rank (each contributes K samples)."""
+    micro_batch_size: int = 0
+    """Sequences in one forward/backward on one rank; the step's G x K sequences are split into
+    micro-batches with gradient accumulation (the update equals the one-batch update). 0: K, one
+    prompt group per micro-batch. Learner memory scales with this, never with G."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass (transformers' gradient checkpointing)."""
+    offload_optimizer: bool = False
+    """DeepSpeed ZeRO-3: keep optimizer states (and the step) in host memory."""
+    offload_params: bool = False
+    """DeepSpeed ZeRO-3: keep parameter shards in host memory between uses."""
+    logprob_chunk_tokens: int = 1024
+    """Token positions per chunk when computing the log-probs of chosen tokens: the fp32
+    log-softmax never spans more than this many positions over the whole vocabulary."""
     lr: float = 3e-5
     """Adam learning rate (TBA uses Adam, no gradient clipping)."""
     warmup_steps: int = 10
@@ -27,8 +40,9 @@ class LearnerConfig:
     """k: broadcast weights to the searchers every k learner steps (GSM8K: 2)."""
     sync_bucket_mb: float = 64.0
     """Size of one weight-sync bucket in MiB."""
-    sync_wire_dtype: str = "fp32"
-    """dtype of weights on the wire: fp32, or bf16 (half the bytes; for bf16 engines on GPUs)."""
+    sync_wire_dtype: str = "auto"
+    """dtype of weights on the wire: auto (the engines' dtype, searcher.dtype), fp32, or bf16
+    (half the bytes; what bf16 engines on GPUs run in anyway)."""
     eval_every: int = 50
     """Held-out evaluation every this many steps (0: only before and after)."""
     log_every: int = 1
@@ -68,8 +82,11 @@ class LearnerConfig:
         if self.checkpoint_every < 0 or self.checkpoint_interval_s < 0 or self.keep_last < 1:
             raise ValueError("learner.checkpoint_every/checkpoint_interval_s must be >= 0 and "
                              "learner.keep_last >= 1")
-        if self.sync_wire_dtype not in ("fp32", "bf16"):
-            raise ValueError(f"learner.sync_wire_dtype={self.sync_wire_dtype!r} must be fp32 or bf16")
+        if self.sync_wire_dtype not in ("auto", "fp32", "bf16"):
+            raise ValueError(f"learner.sync_wire_dtype={self.sync_wire_dtype!r} must be auto, fp32 or bf16")
+        if self.micro_batch_size < 0 or self.logprob_chunk_tokens < 1:
+            raise ValueError("learner.micro_batch_size must be >= 0 (0: K) and "
+                             "learner.logprob_chunk_tokens >= 1")
         if self.dtype not in ("fp32", "bf16"):
             raise ValueError(f"learner.dtype={self.dtype!r} must be fp32 or bf16")
 
@@ -85,7 +102,19 @@ class SearcherConfig:
     temperature: float = 0.7
     """Sampling temperature; log-probs on both sides come from logits / temperature."""
     prompts_per_round: int = 8
-    """Prompts per generation round (weights are applied between rounds)."""
+    """Prompts per generation round."""
+    update: str = "between_rounds"
+    """When an engine applies a new weight version: between_rounds (a response never mixes
+    versions) or in_flight (running requests continue on the new weights between decode steps;
+    every response token carries the version that produced it)."""
+    staging: str = "auto"
+    """Where a received weight version waits for the engine: device (one version in the engine's
+    dtype on its GPU), host (pinned host memory), stream (bucket by bucket straight into the
+    engine), or auto (device when the plan says it fits, else host; host on CPU)."""
+    stop: list[str] = dataclasses.field(default_factory=list)
+    """Stop strings ending a response besides the tokenizer's EOS (the stop string is kept)."""
+    enforce_eager: bool | None = None
+    """vLLM without CUDA graphs; None: eager on CPU, CUDA graphs on GPU."""
     max_new_tokens: int = 8
     """Longest response."""
     max_model_len: int = 64
@@ -114,5 +143,17 @@ class SearcherConfig:
             raise ValueError("searcher.max_model_len must exceed searcher.max_new_tokens >= 1")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"searcher.tensor_parallel_size={self.tensor_parallel_size} must be >= 1")
+        if self.update not in ("between_rounds", "in_flight"):
+            raise ValueError(f"searcher.update={self.update!r} must be between_rounds or in_flight")
+        if self.staging not in ("auto", "device", "host", "stream"):
+            raise ValueError(f"searcher.staging={self.staging!r} must be auto, device, host or stream")
         if self.tensor_parallel_size > 1:
             self.engine_process = True  # tensor-parallel workers always live in other processes
+
+
+def resolve_wire_dtype(learner: LearnerConfig, searcher: SearcherConfig) -> str:
+    """learner.sync_wire_dtype with `auto` resolved to the engines' dtype (bf16 engines get bf16
+    on the wire; fp32 engines, the CPU default, get fp32)."""
+    if learner.sync_wire_dtype != "auto":
+        return learner.sync_wire_dtype
+    return "bf16" if searcher.dtype in ("bfloat16", "bf16") else "fp32"

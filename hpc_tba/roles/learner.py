@@ -99,7 +99,7 @@ class Learner:
         import deepspeed
         from transformers import AutoTokenizer
 
-        from hpc_tba.models.loading import load_causal_lm
+        from hpc_tba.models.loading import check_dtype, load_causal_lm
 
         dtype = torch.bfloat16 if self.cfg.dtype == "bf16" else torch.float32
         micro = max(1, self.cfg.prompts_per_step * self.k)
@@ -112,12 +112,14 @@ class Learner:
         engine, _, _, _ = deepspeed.initialize(
             model=policy, optimizer=opt, lr_scheduler=sched,
             config=ds_train)
+        check_dtype(engine.module, dtype, where=f"learner.dtype={self.cfg.dtype}: the policy")
         ref = None
         if self.loss_cfg.needs_reference:
             ref_model = load_causal_lm(model_path, dtype=dtype, zero3_config=zero3, rank=self.lrank).eval()
             ref_model.requires_grad_(False)
             ref, *_ = deepspeed.initialize(
                 model=ref_model, config=deepspeed_config(self.cfg, micro_batch=micro, train=False))
+            check_dtype(ref.module, dtype, where=f"learner.dtype={self.cfg.dtype}: the reference model")
         pad = AutoTokenizer.from_pretrained(model_path).pad_token_id
         return engine, ref, 0 if pad is None else pad
 
