@@ -1,6 +1,7 @@
-"""The real Learner (DeepSpeed ZeRO-3 on the CPU accelerator): its step's micro-batching equals
-one big batch, and every tensor it and its WeightSender hand to the model or to a collective is
-on the role's device (tests/device_audit.py makes a device mismatch visible on CPU).
+"""The real Learner (DeepSpeed ZeRO-3 on the CPU accelerator): its step's micro-batching (with and
+without gradient checkpointing) equals one big batch, and every tensor it and its WeightSender
+hand to the model or to a collective is on the role's device (tests/device_audit.py makes a
+device mismatch visible on CPU).
 """
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ class _Group:
         return types.SimpleNamespace(wait=lambda: None)
 
 
-def _learner(tmp: str, loss: str, micro: int):
+def _learner(tmp: str, loss: str, micro: int, **extra):
     from hpc_tba.buffer import BufferShard
     from hpc_tba.buffer.config import BufferConfig
     from hpc_tba.losses import LossConfig
@@ -54,11 +55,11 @@ def _learner(tmp: str, loss: str, micro: int):
     model = sorted(p for p in glob.glob(os.path.expanduser("~/.cache/hpc_tba/models/tiny-llama-*"))
                    if not p.endswith(".lock"))[0]
     cfg = LearnerConfig(total_steps=2, prompts_per_step=G, micro_batch_size=micro, lr=1e-3,
-                        warmup_steps=1, logprob_chunk_tokens=4, sync_wire_dtype="fp32")
+                        warmup_steps=1, logprob_chunk_tokens=4, sync_wire_dtype="fp32", **extra)
     return Learner(cfg=cfg, loss=LossConfig(name=loss), shard=BufferShard(BufferConfig(), directory=None),
                    k=K, temperature=0.7, model_path=model, transport=types.SimpleNamespace(rank=0),
                    topo=Topology.build(1, 1, 0, needs_searchers=False), sync_group=None,
-                   run_dir=os.path.join(tmp, f"run_{loss}_{micro}"))
+                   run_dir=os.path.join(tmp, f"run_{loss}_{micro}_{len(extra)}"))
 
 
 def _grads_of_step(learner) -> np.ndarray:
@@ -93,6 +94,13 @@ def _worker(rank: int, port: int, tmp: str) -> None:
         grads = {m: _grads_of_step(_learner(tmp, loss, m)) for m in (G * K, 0, 2)}
         report["grads"][loss] = {str(m): float(np.abs(g - grads[G * K]).max()) for m, g in grads.items()}
         report["grads"][loss]["scale"] = float(np.abs(grads[G * K]).max())
+        ckpt_learner = _learner(tmp, loss, 2, gradient_checkpointing=True)
+        calls: list[int] = []
+        ckpt_learner.engine.module.model.layers[0].register_forward_pre_hook(
+            lambda *a, calls=calls: calls.append(1))
+        checkpointed = _grads_of_step(ckpt_learner)
+        report["grads"][loss]["layer_calls"] = len(calls)
+        report["grads"][loss]["checkpointed"] = float(np.abs(checkpointed - grads[G * K]).max())
 
     role = torch.device("cpu", 0)  # a device VALUE distinct from torch.device("cpu")
     learner_mod.role_device = lambda engine: role
@@ -140,6 +148,11 @@ def test_micro_batched_step_has_the_one_batch_gradient(report, loss):
     g = report["grads"][loss]
     assert g["scale"] > 0
     assert g["0"] <= 1e-5 * g["scale"] and g["2"] <= 1e-5 * g["scale"], g
+    assert g["checkpointed"] <= 1e-5 * g["scale"], g  # gradient checkpointing changes nothing
+    # ... but it ran: each micro-batch's layer forward was recomputed in the backward pass
+    # (a pre-hook: the recompute stops once it has what the backward needs): 6 micro-batches of 2,
+    # plus tb's context pass, each forward once more in the backward
+    assert g["layer_calls"] == (12 if loss == "grpo" else 18), g
 
 
 def test_no_tensor_reaches_model_or_collective_off_the_role_device(report):

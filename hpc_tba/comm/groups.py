@@ -102,9 +102,12 @@ class Groups:
     """The weight-sync group on learner rank 0 and searchers; None on other learners."""
 
 
-def setup_groups(transport: MPITransport, topo: Topology, *, backend: str) -> Groups:
-    """Collective over every rank of the job."""
+def setup_groups(transport: MPITransport, topo: Topology, *, backend: str,
+                 sync_backend: str | None = None) -> Groups:
+    """Collective over every rank of the job. `sync_backend` (default: `backend`) lets a check
+    on one GPU run the weight-sync group over gloo, since NCCL refuses two ranks on one GPU."""
     backend = resolve_backend(backend)
+    sync_backend = backend if sync_backend is None else sync_backend
     hostnames = transport.comm.allgather(socket.gethostname())
     rdv = None
     if transport.rank == 0:
@@ -128,5 +131,5 @@ def setup_groups(transport: MPITransport, topo: Topology, *, backend: str) -> Gr
     sync = None
     if rank in topo.sync_ranks and topo.num_searchers > 0:
         sync = new_group(host=rdv["host"], port=rdv["sync_port"], rank=topo.sync_ranks.index(rank),
-                         size=len(topo.sync_ranks), backend=backend, timeout_s=GROUP_TIMEOUT_S)
+                         size=len(topo.sync_ranks), backend=sync_backend, timeout_s=GROUP_TIMEOUT_S)
     return Groups(backend, sync)
