@@ -100,6 +100,9 @@ def _worker(rank: int, port: int, tmp: str) -> None:
             lambda *a, calls=calls: calls.append(1))
         checkpointed = _grads_of_step(ckpt_learner)
         report["grads"][loss]["layer_calls"] = len(calls)
+        for option in ("offload_optimizer", "offload_params"):  # DeepSpeed builds and steps with them
+            g = _grads_of_step(_learner(tmp, loss, 0, **{option: True}))
+            report["grads"][loss][option] = float(np.abs(g - grads[G * K]).max())
         report["grads"][loss]["checkpointed"] = float(np.abs(checkpointed - grads[G * K]).max())
 
     role = torch.device("cpu", 0)  # a device VALUE distinct from torch.device("cpu")
@@ -153,6 +156,7 @@ def test_micro_batched_step_has_the_one_batch_gradient(report, loss):
     # (a pre-hook: the recompute stops once it has what the backward needs): 6 micro-batches of 2,
     # plus tb's context pass, each forward once more in the backward
     assert g["layer_calls"] == (12 if loss == "grpo" else 18), g
+    assert g["offload_optimizer"] <= 1e-5 * g["scale"] and g["offload_params"] <= 1e-5 * g["scale"], g
 
 
 def test_no_tensor_reaches_model_or_collective_off_the_role_device(report):
