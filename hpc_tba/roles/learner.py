@@ -352,7 +352,8 @@ class Learner:
     def _skip_if_nonfinite(self, loss: torch.Tensor) -> bool:
         """Skip the update (on every learner rank together) when the loss is NaN/inf anywhere;
         give up after `learner.max_nonfinite_steps` in a row rather than train on garbage."""
-        bad = self._reduce({"bad": float(not torch.isfinite(loss.detach()))}, op="sum")["bad"] > 0
+        bad = reduce_metrics({"bad": float(not torch.isfinite(loss.detach()))}, op="sum",
+                             device=loss.device)["bad"] > 0  # the loss is on the role's device
         if not bad:
             self._nonfinite_in_row = 0
             return False
