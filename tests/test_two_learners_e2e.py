@@ -43,7 +43,9 @@ def test_every_trajectory_reaches_the_shard_owning_its_prompt(runs):
 def test_two_learner_run_steps_and_reports_once(runs):
     first, _, _, run_dir = runs
     assert first["steps"] == 4 and not first["preempted"]
-    assert set(first["trajectories_received"]) == {"2", "3"}  # both searchers reached learner 0
+    # learner 0's own shard: the searchers it heard from, each with at least one trajectory
+    received = first["trajectories_received"]
+    assert received and set(received) <= {"2", "3"} and all(n > 0 for n in received.values())
     assert (run_dir / "summary.json").exists()
 
 
