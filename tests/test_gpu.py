@@ -364,6 +364,6 @@ def test_real_learner_role_on_the_device(tmp_path):
         pytest.skip("needs mpi4py and mpiexec (carry the mpi4py and mpich wheels in .whl/)")
     from test_role_check import check_report, run_role_check
 
-    report = run_role_check(tmp_path, timeout_s=300)
+    report = run_role_check(tmp_path, accelerator="cpu" if ON_CPU else "cuda", timeout_s=300)
     print(json.dumps(report))
     check_report(report, DEVICE)

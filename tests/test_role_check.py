@@ -13,7 +13,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_role_check(tmp_path, *, timeout_s: float = 400) -> dict:
+def run_role_check(tmp_path, *, accelerator: str = "cpu", timeout_s: float = 400) -> dict:
+    """Record, then replay through tools/role_check.py on 2 MPI ranks; DeepSpeed on `accelerator`."""
     from hpc_tba.cli import find_mpiexec, rank_env
 
     mpiexec = find_mpiexec("mpiexec")
@@ -22,6 +23,7 @@ def run_role_check(tmp_path, *, timeout_s: float = 400) -> dict:
     rec = str(tmp_path / "traj.npz")
     subprocess.run([sys.executable, script, "--record", rec], check=True, timeout=60)
     env = rank_env(1)
+    env["DS_ACCELERATOR"] = accelerator  # conftest defaults every test process to cpu
     env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
     env.setdefault("HPC_TBA_MASTER_ADDR", "127.0.0.1")
     proc = subprocess.run([mpiexec, "-n", "2", sys.executable, script, "--recording", rec,
