@@ -9,6 +9,10 @@
    of WeightSender equal GatheredParameters bit-exactly; a checkpoint of the CUDA engine loads
    with weights_only into a fresh one bit-exactly.
 3. With two GPUs or more: test 1 over NCCL, receiver on the second GPU.
+4. The real learner role (tools/role_check.py, CPU twin tests/test_role_check.py): Learner built
+   by roles.build on the accelerator, trajectories replayed over the real MPI transport,
+   Learner.train_step, a sync through WeightSender to a WeightReceiver, checkpoint and export.
+   Needs mpi4py and an MPI launcher (tools/gpu_check.sh: carry their wheels in .whl/).
 
 Each test skips, with the reason, where CUDA, deepspeed or a second GPU is missing.
 HPC_TBA_GPU_TESTS_ON_CPU=1 rehearses the file on a CPU machine (gloo, DeepSpeed's CPU
@@ -348,3 +352,18 @@ def test_zero3_bf16_engine_trains_syncs_and_resumes(tmp_path, tiny_model):
         assert torch.equal(v1[name], want), f"direct shard gather differs on {name}"
         assert torch.equal(v2[name], want), f"GatheredParameters sync differs on {name}"
     assert report["checkpoint_differs"] == []
+
+
+def test_real_learner_role_on_the_device(tmp_path):
+    """The learner role as a job runs it, on this machine's accelerator (item 4 above)."""
+    import shutil
+
+    from hpc_tba.cli import find_mpiexec
+
+    if importlib.util.find_spec("mpi4py") is None or find_mpiexec("mpiexec") is None and not shutil.which("mpiexec"):
+        pytest.skip("needs mpi4py and mpiexec (carry the mpi4py and mpich wheels in .whl/)")
+    from test_role_check import check_report, run_role_check
+
+    report = run_role_check(tmp_path, accelerator="cpu" if ON_CPU else "cuda", timeout_s=300)
+    print(json.dumps(report))
+    check_report(report, DEVICE)

@@ -7,14 +7,17 @@
 #    pydantic, pydantic-core, annotated-types, typing-inspection, typing-extensions, hjson) into
 #    $GPU_CHECK_SITE (default /tmp/site), without the network, compiling nothing.
 # 2. Prints the GPUs, the driver, and the versions of torch and of every package the tests use.
-# 3. Runs the tests marked `gpu` in tests/test_gpu.py with hpc_tba imported from this checkout.
+# 3. Runs the tests marked `gpu` in tests/test_gpu.py with hpc_tba imported from this checkout;
+#    among them the real learner role (tools/role_check.py under mpiexec: Learner.train_step,
+#    WeightSender -> WeightReceiver, checkpoint, export), which needs mpi4py and mpich from .whl/
+#    (their mpiexec lands in $GPU_CHECK_SITE/bin, put on PATH here) and skips without them.
 # Exits with pytest's status (1 if the wheels do not install). Preparing .whl/ (on a machine with
 # pip's registry; it is ignored by git):
 #   cp ~/.cache/pip/wheels/*/*/*/*/deepspeed-0.19.8-py3-none-any.whl .whl/   # or: pip wheel --no-deps deepspeed==0.19.8
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 #     -d .whl pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \
-#     typing-extensions==4.16.0 hjson==3.1.0
+#     typing-extensions==4.16.0 hjson==3.1.0 mpi4py mpich
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 PY=${PYTHON:-python3}
@@ -28,6 +31,7 @@ main() {
             --target "$SITE" .whl/*.whl || { echo "gpu_check: the carried wheels did not install"; return 1; }
     fi
     export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    export PATH="$SITE/bin:$PATH"  # mpiexec of the mpich wheel
 
     echo "== machine"
     nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv 2>&1 || echo "no nvidia-smi"
@@ -45,7 +49,8 @@ if torch.cuda.is_available():
     print("nccl", torch.cuda.nccl.version(), [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])
 for dist, name in [("transformers", "transformers"), ("tokenizers", "tokenizers"), ("safetensors", "safetensors"),
                    ("numpy", "numpy"), ("typing-extensions", "typing_extensions"), ("pydantic", "pydantic"),
-                   ("hjson", "hjson"), ("deepspeed", "deepspeed"), ("pytest", "pytest")]:
+                   ("hjson", "hjson"), ("deepspeed", "deepspeed"), ("pytest", "pytest"),
+                   ("mpi4py", "mpi4py")]:
     try:
         module = importlib.import_module(name)
         print(f"{dist} {importlib.metadata.version(dist)} {module.__file__}")
