@@ -17,6 +17,7 @@ script) prints the first failure itself.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import io
 import json
@@ -117,6 +118,17 @@ def _tee(read_fd: int, log_fd: int, term: io.TextIOBase) -> None:
         term.flush()
 
 
+def _drain(tee: threading.Thread) -> None:
+    """At exit: close our ends of the pipe so the tee sees EOF, and let it copy what is left."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 1)
+    os.dup2(null, 2)
+    os.close(null)
+    tee.join(timeout=5.0)
+
+
 def setup_rank_output(run_dir: str, rank: int, *, verbose: bool | None = None) -> str:
     """Send this rank's fd 1/2 (and sys.stdout/stderr) to its log; keep the terminal for our lines.
 
@@ -138,11 +150,13 @@ def setup_rank_output(run_dir: str, rank: int, *, verbose: bool | None = None) -
     os.write(log_fd, header.encode())
     if verbose:
         read_fd, write_fd = os.pipe()
-        threading.Thread(target=_tee, args=(read_fd, log_fd, _terminal["err"]), daemon=True,
-                         name="hpc-tba-tee").start()
+        tee = threading.Thread(target=_tee, args=(read_fd, log_fd, _terminal["err"]), daemon=True,
+                               name="hpc-tba-tee")
+        tee.start()
         os.dup2(write_fd, 1)
         os.dup2(write_fd, 2)
         os.close(write_fd)
+        atexit.register(_drain, tee)
         return path  # sys.stdout/stderr keep writing to fd 1/2, now the pipe
     os.dup2(log_fd, 1)
     os.dup2(log_fd, 2)
@@ -233,9 +247,10 @@ def failures(run_dir: str) -> list[dict]:
 def failure_line(records: list[dict]) -> str:
     """The one line a user reads about a failed job: the first error, whole, and its log."""
     first = records[0]
-    line = f"hpc-tba: rank {first['rank']} failed: {first['message']}"
+    message = " ".join(str(first["message"]).split())  # whole, on one line
+    line = f"hpc-tba: rank {first['rank']} failed: {message}"
     others = sorted(r["rank"] for r in records[1:])
-    line += f"  (log: {first['log']}"
+    line += f" (log: {first['log']}"
     if others:
         line += f"; ranks {', '.join(map(str, others))} failed too, logs next to it"
     return line + ")"

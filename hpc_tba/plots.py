@@ -132,6 +132,8 @@ def draw_report(run_dirs: list[str], out: str) -> str:
         a.set_xlabel(xl)
         a.set_ylabel(yl)
         a.grid(alpha=0.3)
+        if yl == "pass@1":
+            a.set_ylim(0, 1)
         if a.lines:
             a.legend(fontsize=8)
     fig.suptitle("hpc_tba run report" + ("" if len(runs) == 1 else f" - {len(runs)} runs"))
@@ -146,6 +148,7 @@ def _staleness(a, r: dict, color: str, *, offset: int, n: int) -> None:
     a.set_title("staleness of trained samples (learner - behaviour version)")
     a.set_xlabel("versions behind")
     a.set_ylabel("fraction of samples")
+    a.xaxis.get_major_locator().set_params(integer=True)
     if not r["staleness"]:
         return
     lags = np.array(sorted(r["staleness"]))
@@ -172,7 +175,7 @@ def _utilisation(a, runs: list[dict]) -> None:
     a.set_xlim(0, 1)
     a.invert_yaxis()
     if bars:
-        a.legend(fontsize=7, loc="lower right", ncol=2)
+        a.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=5)
 
 
 def report_main(argv: list[str]) -> int:

@@ -43,7 +43,7 @@ class RunLogger:
         self.enabled = enabled
         self.run_dir = run_dir
         self.name = name
-        self._writer = self._jsonl = self._bar = None
+        self._writer = self._jsonl = self._bar = self._bar_args = None
         self._hist: dict[str, dict[int, int]] = {}
         self._written = {"status": 0.0, "hist": 0.0}
         self.status: dict | None = None
@@ -56,11 +56,9 @@ class RunLogger:
         os.makedirs(os.path.join(run_dir, "tb", name), exist_ok=True)
         self._writer = SummaryWriter(os.path.join(run_dir, "tb", name), flush_secs=10)
         self._jsonl = open(os.path.join(run_dir, f"metrics_{name}.jsonl"), "a")
-        if total is not None:
-            from tqdm import tqdm
-
-            self._bar = tqdm(total=total, desc=name, file=terminal("err"), mininterval=1.0,
-                             dynamic_ncols=True, disable=os.environ.get("HPC_TBA_NO_PROGRESS") == "1")
+        self._bar_args = None if total is None else dict(
+            total=total, desc=name, file=terminal("err"), mininterval=1.0, dynamic_ncols=True,
+            disable=os.environ.get("HPC_TBA_NO_PROGRESS") == "1")
         if name == "learner":
             self.status = {"state": "running", "pid": os.getpid(), "host": socket.gethostname(),
                            "started_at": time.time(), "total_steps": total, "step": 0,
@@ -122,6 +120,10 @@ class RunLogger:
             self._written["hist"] = now
 
     def progress(self, step: int, postfix: dict[str, str]) -> None:
+        if self._bar is None and self._bar_args is not None:  # from the first step, so that it
+            from tqdm import tqdm  # does not mix with the start-up lines
+
+            self._bar, self._bar_args = tqdm(initial=step - 1, **self._bar_args), None
         if self._bar is not None:
             self._bar.n = step
             self._bar.set_postfix(postfix, refresh=True)
