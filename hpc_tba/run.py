@@ -82,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:  # before anything is redirected: straight to the terminal
         print(f"hpc-tba: {e}", file=sys.stderr)
         return 2
+    rank = _init_mpi(rank)
     setup_rank_output(cfg.run_dir, rank)
     try:
         rank, summary = run_rank(cfg)
@@ -91,6 +92,17 @@ def main(argv: list[str] | None = None) -> int:
     if summary is not None and rank == 0:
         finish_run(cfg.run_dir, summary)
     return 0
+
+
+def _init_mpi(rank: int) -> int:
+    """Start MPI before the output is redirected, so that a launcher failure inside MPI_Init
+    (e.g. Slurm's pmi2 plugin misreading a request) shows where srun's own errors are; returns
+    this process's rank in the job."""
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        return rank
+    return MPI.COMM_WORLD.Get_rank()
 
 
 def finish_run(run_dir: str, summary: dict) -> None:

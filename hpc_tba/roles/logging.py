@@ -123,7 +123,7 @@ class RunLogger:
         if self._bar is None and self._bar_args is not None:  # from the first step, so that it
             from tqdm import tqdm  # does not mix with the start-up lines
 
-            self._bar, self._bar_args = tqdm(initial=step - 1, **self._bar_args), None
+            self._bar, self._bar_args = tqdm(initial=step, **self._bar_args), None
         if self._bar is not None:
             self._bar.n = step
             self._bar.set_postfix(postfix, refresh=True)
