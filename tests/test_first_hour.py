@@ -101,7 +101,7 @@ def test_default_run_is_quiet_reports_status_and_draws_its_report(tmp_path):
     assert after["checkpoint"] and after["checkpoint"].startswith(str(run_dir))
     assert 0.45 <= summary["pass@1_before"] <= 0.60  # the warm start's band, measured by vLLM
 
-    terminal = (tmp_path / "terminal.txt").read_text()
+    terminal = open(tmp_path / "terminal.txt", newline="").read()  # keep the bar's \r as written
     lines = terminal.split("\n")  # terminal lines: the bar redraws one line with \r
     assert len(lines) <= 40, terminal
     assert [line for line in lines if not _ours(line)] == [], terminal
