@@ -101,3 +101,18 @@ def test_report_refuses_a_directory_that_is_not_a_run(tmp_path):
 
     with pytest.raises(FileNotFoundError, match="no metrics_learner.jsonl"):
         load_run(str(tmp_path))
+
+
+def test_report_cli_redraws_one_run_and_overlays_several(tmp_path):
+    pytest.importorskip("matplotlib")
+    _log_run(tmp_path / "sync")
+    _log_run(tmp_path / "async", offset=0.1)
+    env = {**os.environ, "PYTHONPATH": REPO}
+    cli = [sys.executable, "-m", "hpc_tba.cli", "report"]
+    one = subprocess.run([*cli, str(tmp_path / "sync")], capture_output=True, text=True, env=env, timeout=120)
+    assert one.returncode == 0 and (tmp_path / "sync" / "report.png").is_file(), one.stderr
+    both = subprocess.run([*cli, str(tmp_path / "sync"), str(tmp_path / "async"), "-o", str(tmp_path / "c.png")],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert both.returncode == 0 and both.stdout.strip() == f"hpc-tba: wrote {tmp_path / 'c.png'}", both.stderr
+    bad = subprocess.run([*cli, str(tmp_path / "nothing")], capture_output=True, text=True, env=env, timeout=120)
+    assert bad.returncode == 2 and "is not a run directory" in bad.stderr
