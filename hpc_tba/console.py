@@ -96,6 +96,11 @@ class _LineRouter(io.TextIOBase):
     def isatty(self) -> bool:
         return False
 
+    @property
+    def buffer(self):  # code writing bytes to sys.stdout.buffer: into the log
+        self.flush()
+        return self._log.buffer
+
     def writable(self) -> bool:
         return True
 

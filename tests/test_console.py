@@ -90,3 +90,12 @@ def test_failure_line_keeps_a_multiline_message_whole_on_one_line(tmp_path):
 @pytest.mark.parametrize("env, rank", [({"PMI_RANK": "4"}, 4), ({"SLURM_PROCID": "7"}, 7), ({}, 0)])
 def test_rank_from_environ(env, rank):
     assert console.rank_from_environ(env) == rank
+
+
+def test_bytes_written_to_the_buffer_reach_the_log(tmp_path):
+    code = ("import sys; from hpc_tba.console import setup_rank_output; setup_rank_output(sys.argv[1], 0);"
+            "sys.stdout.buffer.write(b'raw bytes\\n'); sys.stdout.buffer.flush()")
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "PYTHONPATH": REPO})
+    assert proc.returncode == 0 and proc.stdout == "" and proc.stderr == "", proc.stderr
+    assert "raw bytes" in (tmp_path / "logs" / "rank0.log").read_text()
