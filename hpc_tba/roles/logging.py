@@ -2,8 +2,12 @@
 and the role's time accounting (`Timers`: where its wall-clock time went).
 
 Each role writes its own TensorBoard directory under `<run_dir>/tb/<name>` (learner, searcher0,
-...), so TensorBoard pointed at `<run_dir>/tb` shows them as separate runs; `metrics.jsonl`
-holds the same scalars for tools and tests.
+...), so TensorBoard pointed at `<run_dir>/tb` shows them as separate runs; `metrics_<name>.jsonl`
+holds the same scalars for tools and tests, `histograms_<name>.json` the counts of integer-valued
+histograms (the staleness lags) for hpc_tba.plots. The learner's logger also keeps
+`<run_dir>/status.json` (replaced atomically, at most every STATUS_EVERY_S and at the end): the
+latest step, policy version, buffer, staleness, checkpoint and held-out pass@1 that
+`hpc-tba status` reads, plus the process and Slurm job that wrote it.
 """
 from __future__ import annotations
 
@@ -11,29 +15,56 @@ import contextlib
 import json
 import math
 import os
-import sys
+import socket
 import time
 
 import numpy as np
+
+STATUS_EVERY_S = 1.0
+"""Shortest interval between two writes of status.json."""
+HISTOGRAMS_EVERY_S = 10.0
+"""Shortest interval between two writes of histograms_<name>.json."""
+# status.json field <- the scalar it follows (the latest value logged).
+STATUS_SCALARS = {"policy_version": "sync/version", "buffer_size": "buffer/size",
+                  "staleness_mean": "buffer/staleness_mean", "staleness_max": "buffer/staleness_max",
+                  "reward_sampled_mean": "reward/sampled_mean", "elapsed_s": "time/elapsed_s"}
+
+
+def write_json_atomic(path: str, obj: dict) -> None:
+    """Readers (status polling mid-run) see the old file or the new one, never half of one."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(tmp, path)
 
 
 class RunLogger:
     def __init__(self, run_dir: str, name: str, *, enabled: bool = True, total: int | None = None):
         self.enabled = enabled
         self.run_dir = run_dir
-        self._writer = self._jsonl = self._bar = None
+        self.name = name
+        self._writer = self._jsonl = self._bar = self._bar_args = None
+        self._hist: dict[str, dict[int, int]] = {}
+        self._written = {"status": 0.0, "hist": 0.0}
+        self.status: dict | None = None
         if not enabled:
             return
         from torch.utils.tensorboard import SummaryWriter
 
+        from hpc_tba.console import terminal
+
         os.makedirs(os.path.join(run_dir, "tb", name), exist_ok=True)
         self._writer = SummaryWriter(os.path.join(run_dir, "tb", name), flush_secs=10)
         self._jsonl = open(os.path.join(run_dir, f"metrics_{name}.jsonl"), "a")
-        if total is not None:
-            from tqdm import tqdm
-
-            self._bar = tqdm(total=total, desc=name, file=sys.stderr, mininterval=1.0,
-                             dynamic_ncols=True, disable=os.environ.get("HPC_TBA_NO_PROGRESS") == "1")
+        self._bar_args = None if total is None else dict(
+            total=total, desc=name, file=terminal("err"), mininterval=1.0, dynamic_ncols=True,
+            disable=os.environ.get("HPC_TBA_NO_PROGRESS") == "1")
+        if name == "learner":
+            self.status = {"state": "running", "pid": os.getpid(), "host": socket.gethostname(),
+                           "started_at": time.time(), "total_steps": total, "step": 0,
+                           "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+                           "slurm_restart_count": int(os.environ.get("SLURM_RESTART_COUNT", 0) or 0)}
+            self._write_status(force=True)
 
     def scalars(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:
@@ -43,12 +74,56 @@ class RunLogger:
             self._writer.add_scalar(k, v, step)
         self._jsonl.write(json.dumps({"step": step, **clean}) + "\n")
         self._jsonl.flush()
+        if self.status is not None:
+            self._follow(step, clean)
+
+    def _follow(self, step: int, clean: dict[str, float]) -> None:
+        """Update status.json from the scalars the learner logs anyway."""
+        st = self.status
+        if any(k.startswith("loss/") for k in clean):  # a training step's row
+            st["step"] = max(st["step"], step)
+        for field, key in STATUS_SCALARS.items():
+            if key in clean:
+                st[field] = clean[key]
+        if "test/pass@1" in clean:
+            st["pass@1"] = {"version": step, "value": clean["test/pass@1"]}
+            st.setdefault("pass@1_first", st["pass@1"])
+        if "checkpoint/time_s" in clean:
+            st["last_checkpoint_step"] = step
+        if "checkpoint/resumed_step" in clean:
+            st["step"] = st["resumed_from_step"] = step
+        self._write_status()
+
+    def _write_status(self, *, force: bool = False) -> None:
+        now = time.time()
+        if force or now - self._written["status"] >= STATUS_EVERY_S:
+            self.status["updated_at"] = now
+            write_json_atomic(os.path.join(self.run_dir, "status.json"), self.status)
+            self._written["status"] = now
 
     def histogram(self, step: int, tag: str, values: np.ndarray) -> None:
-        if self.enabled and len(values):
-            self._writer.add_histogram(tag, np.asarray(values, dtype=np.float64), step)
+        if not (self.enabled and len(values)):
+            return
+        values = np.asarray(values, dtype=np.float64)
+        self._writer.add_histogram(tag, values, step)
+        if np.all(values == np.round(values)):  # integer values (lags): exact counts for plots
+            counts = self._hist.setdefault(tag, {})
+            for v, n in zip(*np.unique(values.astype(np.int64), return_counts=True)):
+                counts[int(v)] = counts.get(int(v), 0) + int(n)
+            self._write_histograms()
+
+    def _write_histograms(self, *, force: bool = False) -> None:
+        now = time.time()
+        if self._hist and (force or now - self._written["hist"] >= HISTOGRAMS_EVERY_S):
+            write_json_atomic(os.path.join(self.run_dir, f"histograms_{self.name}.json"),
+                              {tag: {str(k): n for k, n in sorted(c.items())} for tag, c in self._hist.items()})
+            self._written["hist"] = now
 
     def progress(self, step: int, postfix: dict[str, str]) -> None:
+        if self._bar is None and self._bar_args is not None:  # from the first step, so that it
+            from tqdm import tqdm  # does not mix with the start-up lines
+
+            self._bar, self._bar_args = tqdm(initial=step, **self._bar_args), None
         if self._bar is not None:
             self._bar.n = step
             self._bar.set_postfix(postfix, refresh=True)
@@ -61,6 +136,15 @@ class RunLogger:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
+            self._bar = None
+        if self.enabled:
+            self._write_histograms(force=True)
+        if self.status is not None:
+            summary = os.path.join(self.run_dir, "summary.json")  # written by this run, not a resumed one's
+            finished = os.path.isfile(summary) and os.path.getmtime(summary) >= self.status["started_at"]
+            self.status["state"] = "finished" if finished else "stopped"
+            self._write_status(force=True)
+            self.status = None
         if self._writer is not None:
             self._writer.close()
             self._jsonl.close()
