@@ -403,7 +403,8 @@ class WeightReceiver:
         self._version_buf: torch.Tensor | None = None
         self._bucket: torch.Tensor | None = None
         self._pending_eval: list[int] = []
-        self._credits = threading.Semaphore(2)  # stream: buckets allocated at once
+        self._stream_live = 0  # stream: bucket buffers alive (at most two, see _consume)
+        self._want_bucket = self._overdraft = False
         self._buckets: queue.Queue = queue.Queue()
         self._consumed = threading.Event()
         self.staging_now, self.peak_staging_bytes = 0, 0
@@ -431,25 +432,30 @@ class WeightReceiver:
                     self._stage(version, flags)
         except BaseException as e:  # surfaced to the searcher's main loop by take()
             self.error = e
-            self._buckets.put(None)  # a consumer waiting for a bucket wakes up and raises
+            with self._cond:
+                self._buckets.put(None)  # a consumer waiting for a bucket wakes up and raises
+                self._cond.notify_all()
         finally:
             with self._cond:
                 self.stopped = True
                 self._cond.notify_all()
 
-    def _alloc(self, numel: int, device, *, pin: bool = False) -> torch.Tensor:
+    def _alloc(self, numel: int, device, *, pin: bool = False, stream: bool = False) -> torch.Tensor:
         """A buffer whose bytes count as staging until the last view of it is gone."""
         t = torch.empty(numel, dtype=self.manifest.dtype, device=device, pin_memory=pin)
         nbytes = t.numel() * t.element_size()
         with self._cond:
             self.staging_now += nbytes
+            self._stream_live += stream
             self.peak_staging_bytes = max(self.peak_staging_bytes, self.staging_now)
-        weakref.finalize(t, self._freed, nbytes)
+        weakref.finalize(t, self._freed, nbytes, stream)
         return t
 
-    def _freed(self, nbytes: int) -> None:
+    def _freed(self, nbytes: int, stream: bool) -> None:
         with self._cond:
             self.staging_now -= nbytes
+            self._stream_live -= stream
+            self._cond.notify_all()
 
     def _largest_bucket(self) -> int:
         m = self.manifest
@@ -480,36 +486,53 @@ class WeightReceiver:
             self._announce(version, flags)
 
     def _stream(self, version: int, flags: int) -> None:
-        """Stream staging: hand the version out now, receive each bucket once a credit is free."""
+        """Stream staging: hand the version out now; receive bucket b once fewer than two buckets
+        are alive (freed by whoever held them last: the engine's loader, usually)."""
         m = self.manifest
         self._consumed.clear()
         with self._cond:
             self._latest = StreamedWeights(version, flags, functools.partial(self._consume, version))
             self._announce(version, flags)
         for b in range(len(m.buckets)):
-            self._credits.acquire()
-            buf = self._alloc(m.bucket_numel(b), self.device)
+            with self._cond:
+                self._want_bucket = True
+                self._cond.notify_all()
+                self._cond.wait_for(lambda: self._stream_live < 2 or self._overdraft)
+                self._want_bucket = self._overdraft = False
+            buf = self._alloc(m.bucket_numel(b), self.device, stream=True)
             _bcast(self.group, buf)
             if buf.is_cuda:
                 torch.cuda.current_stream(buf.device).synchronize()
-            self._buckets.put((b, buf))
+            with self._cond:
+                self._buckets.put((b, buf))
+                self._cond.notify_all()
             del buf  # the consumer (and vLLM's layer-wise reload) holds the only references
         self._consumed.wait()
 
     def _consume(self, version: int) -> Iterator[tuple[str, torch.Tensor]]:
+        """The buckets of a streamed version, in order, each as soon as it has arrived.
+
+        If the loader still holds two buckets when it asks for the next one (a vLLM layer whose
+        parameters straddle three buckets), one more bucket is allowed: waiting would deadlock.
+        """
         m = self.manifest
         try:
             for b in range(len(m.buckets)):
+                with self._cond:
+                    self._cond.wait_for(lambda: not self._buckets.empty() or self.error is not None
+                                        or (self._want_bucket and self._stream_live >= 2))
+                    if self._buckets.empty() and self.error is None:
+                        self._overdraft = True
+                        self._cond.notify_all()
                 item = self._buckets.get()
                 if item is None:
                     raise RuntimeError(f"weight receiver failed: {self.error}") from self.error
                 got, buf = item
-                assert got == b, (got, b)
-                try:
-                    yield from _bucket_views(m, b, buf)
-                finally:
-                    del buf, item
-                    self._credits.release()
+                del item
+                if got != b:
+                    raise RuntimeError(f"weight stream: bucket {got} arrived where {b} was due")
+                yield from _bucket_views(m, b, buf)
+                del buf
         finally:
             self._consumed.set()
 
