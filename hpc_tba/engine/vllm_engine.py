@@ -91,6 +91,7 @@ class VLLMEngine:
         self._shm_ident: str | None = None  # CPU tensor parallelism: vLLM's shared-memory prefix
         self._request_ids = itertools.count()
         self.updates_in_flight = 0  # versions applied while requests were running
+        self.min_tokens = 0  # benchmarks: no EOS before this many tokens (fixed-length responses)
         eager = cfg.enforce_eager if cfg.enforce_eager is not None else device == "cpu"
         kwargs = dict(model=model_path, dtype=cfg.dtype, seed=seed, max_model_len=cfg.max_model_len,
                       enforce_eager=eager, logprobs_mode="processed_logprobs",
@@ -184,8 +185,12 @@ class VLLMEngine:
                                      use_tqdm=False)
         return [[self._sample(c) for c in o.outputs] for o in outs]
 
-    def _stop_kwargs(self) -> dict:
-        return {"stop": list(self.cfg.stop), "include_stop_str_in_output": True} if self.cfg.stop else {}
+    def _stop_kwargs(self, done: int = 0) -> dict:
+        """Stop strings, and the minimum length still owed after `done` tokens."""
+        kw = {"stop": list(self.cfg.stop), "include_stop_str_in_output": True} if self.cfg.stop else {}
+        if self.min_tokens > done:
+            kw["min_tokens"] = self.min_tokens - done
+        return kw
 
     def _sample_in_flight(self, prompts: Sequence[Sequence[int]], *, n: int, temperature: float,
                           max_tokens: int, weights_ready: Callable[[], bool],
@@ -200,7 +205,7 @@ class VLLMEngine:
         def add(run: _Run) -> None:
             params = SamplingParams(n=1, temperature=temperature, logprobs=0,
                                     max_tokens=max_tokens - len(run.tokens),
-                                    output_kind=RequestOutputKind.DELTA, **self._stop_kwargs())
+                                    output_kind=RequestOutputKind.DELTA, **self._stop_kwargs(len(run.tokens)))
             rid = f"hpc{next(self._request_ids)}"
             runs[rid] = run
             engine.add_request(rid, {"prompt_token_ids": list(run.prompt) + run.tokens}, params)
