@@ -20,13 +20,15 @@ restart (the prompts of a round cut short are generated again).
 Prompts longer than `max_model_len - max_new_tokens` are skipped before generation and counted
 (`searcher/skipped_long_prompts`): vLLM would reject them, and the engine is never rebuilt for it.
 
-In-flight updates and what a mixed-version response means for each loss: every token carries the
-version that produced it and its behaviour log-prob is exact under that version (the engine
-re-prefills running sequences under the new weights, engine/vllm_engine.py), so
-- TB and TOPR, which need only log pi_behaviour(y_t | prefix) per token, stay exact: the sample is
-  a draw from a mixture policy whose per-token log-probs we know.
-- GRPO/RLOO's importance ratio pi_theta / pi_behaviour is taken per token against those exact
-  behaviour log-probs, so it is the correct ratio for the policy that actually sampled each token.
+In-flight updates and what a mixed-version response means for each loss (docs/SEARCHERS.md):
+every token carries the version that produced it and its behaviour log-prob is exact under that
+version (the engine re-prefills running sequences under the new weights, engine/vllm_engine.py),
+so a mixed response is an exact sample of a known mixture policy mu(y_t | prefix) = pi_v(t).
+- TB uses no behaviour log-prob at all (valid for any full-support behaviour): unaffected.
+- TOPR's Delta = S - sum_t log mu(y_t | prefix) is exact, so its truncated weights are right.
+- GRPO's per-token ratio pi_theta / mu is taken against the exact per-token mu: correct.
+- RLOO (and SFT/DPO) use no importance weights: a mixed response is off-policy by at most its
+  oldest token's lag, like any asynchronous sample; cap it with max_version_span if that matters.
 A batch's `policy_version` is the oldest version of its tokens, so the buffer's staleness is
 never understated. `searcher.max_version_span` caps the versions one response may span (0 keeps
 all; responses over the cap are dropped and counted in `searcher/dropped_version_span`).
