@@ -106,9 +106,10 @@ def _hf_logp(model_path: str, version: int, prompt, response) -> np.ndarray:
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None])[:, 0].numpy()
 
 
-def test_in_flight_round_mixes_versions_with_exact_per_token_logprobs(tmp_path, model_path):
+@pytest.mark.parametrize("engine_process", [False, True], ids=["in_process", "out_of_process"])
+def test_in_flight_round_mixes_versions_with_exact_per_token_logprobs(tmp_path, model_path, engine_process):
     rx = _Receiver(model_path, versions=2, every=5)
-    s = _searcher(tmp_path, model_path, rx)
+    s = _searcher(tmp_path, model_path, rx, engine_process=engine_process)
     try:
         s.generate_round()
         eos, updates = s.engine.eos_token_id, s.engine.updates_in_flight
