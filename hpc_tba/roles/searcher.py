@@ -299,13 +299,16 @@ class Searcher:
         self.orders = orders
 
     def evaluate(self, version: int) -> None:
-        """Greedy pass@1 on this searcher's slice of the test split, reported to learner 0."""
-        if not self.test:
-            correct = 0
-        else:
-            outs = self.engine.greedy(self.engine.tokenize([p.text for p in self.test]),
-                                      max_tokens=self.cfg.max_new_tokens)
-            correct = int(self.task.correct(self.test, [self.engine.decode(o) for o in outs]).sum())
+        """Greedy pass@1 on this searcher's slice of the test split, reported to learner 0
+        (a prompt too long for the engine is skipped, counted, and scores as not correct)."""
+        toks = self.engine.tokenize([p.text for p in self.test]) if self.test else []
+        fits = [i for i, t in enumerate(toks) if self.engine.prompt_fits(t)]
+        self.skipped_long += len(toks) - len(fits)
+        correct = 0
+        if fits:
+            outs = self.engine.greedy([toks[i] for i in fits], max_tokens=self.cfg.max_new_tokens)
+            correct = int(self.task.correct([self.test[i] for i in fits],
+                                            [self.engine.decode(o) for o in outs]).sum())
         self.evaluated[version] = correct / max(len(self.test), 1)
         self.transport.send_array(0, Tag.EVAL, np.array([version, correct, len(self.test)], np.float64))
 
