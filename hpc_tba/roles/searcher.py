@@ -140,10 +140,13 @@ class Searcher:
         version = self.engine.version
         self.engine = self.engine_factory()
         if self.receiver is not None and version > 0:
-            with self.receiver.reading():
-                staged = self.receiver.current()
-                if staged is not None:  # the newest whole version staged (>= the one applied)
-                    self.engine.load_weights(staged.tensors, staged.version)
+            if self.receiver.ready():  # a newer version is waiting: applied (and logged) as usual
+                self._load_newest()
+            else:  # the version applied last, if the staging still holds it whole
+                with self.receiver.reading():
+                    staged = self.receiver.current()
+                    if staged is not None and staged.version >= version:
+                        self.engine.load_weights(staged.tensors, staged.version)
             self._await_weights = self.engine.version < version  # none staged: wait for the next
         self.restarts += 1
         self.log.scalars(self.rounds, {"searcher/engine_restarts": self.restarts,
