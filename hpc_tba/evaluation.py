@@ -137,8 +137,8 @@ def eval_main(argv: list[str]) -> int:
     try:
         args, overrides = parse_args(argv)
         cfg = compose(overrides)
-        task, prompts = _load_prompts(cfg, args)
         model_path = _resolve_model(cfg, args.model)
+        task, prompts = _load_prompts(cfg, args, model_path)
     except (EvalError, ConfigError, ValueError, FileNotFoundError) as e:
         print(f"hpc-tba eval: {_one_line(e)}", file=sys.stderr)
         return 2
@@ -164,11 +164,11 @@ def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
 
 
-def _load_prompts(cfg: RunConfig, args: EvalArgs) -> tuple[Task, list[Prompt]]:
-    """The task and the prompts of the split to evaluate (never empty)."""
+def _load_prompts(cfg: RunConfig, args: EvalArgs, model_path: str) -> tuple[Task, list[Prompt]]:
+    """The task and the prompts of the split to evaluate (never empty), formatted for the model."""
     from hpc_tba.tasks import build_task
 
-    task = build_task(cfg.task)
+    task = build_task(cfg.task, tokenizer=model_path)
     prompts = task.prompts(args.split)
     if args.limit:
         prompts = prompts[:args.limit]

@@ -185,7 +185,8 @@ class Searcher:
             "searcher/reward_mean": float(rewards.mean()), "searcher/reward_failures": failed,
             "searcher/gen_tokens_per_s": n_tok / max(gen_s, 1e-9),
             "searcher/round_s": time.time() - t0, "searcher/version": version,
-            "searcher/sends_in_flight": self.transport.progress(), **self.timers.metrics()})
+            "searcher/sends_in_flight": self.transport.progress(), **self.timers.metrics(),
+            **self.task.round_metrics(flat_prompts, texts, rewards)})  # e.g. red-team diversity
 
     def _next_prompts(self, pool: int | None, n: int) -> list[int]:
         """The next n prompts of a pool (this searcher's slice, or its part in one learner
