@@ -272,6 +272,9 @@ def score(task: Task, prompts: Sequence[Prompt], greedy: Sequence[str],
         prefix = "redteam/diversity" if redteam else "diversity"
         metrics.update(diversity(texts, prefix=prefix, max_texts=args.diversity_max,
                                  embedder=args.embedder))
+    if redteam and args.samples:  # TBA's claim is about the diversity of *successful* attacks
+        metrics.update(task.success_metrics([p for p, s in zip(prompts, sampled) for _ in s],
+                                            [r for s in sampled for r in s]))
     return metrics
 
 

@@ -2,8 +2,11 @@
 
 Nothing can be downloaded here, so the three pieces are built from the embedded model:
 
-- attacker (the policy) and victim: the embedded arithmetic model (`model.path=embedded`); the
-  victim answers an attack greedily, as `HFVictim` does;
+- attacker (the policy): the embedded arithmetic model (`model.path=embedded`);
+- victim: a tiny randomly initialised Llama on the same tokenizer (wide initialisation, so its
+  greedy answer depends on the attack in a hash-like way): answering 8 tokens greedily, as
+  `HFVictim` does, about one attack in eight of the kind the attacker writes gets a "toxic"
+  answer, so there is something to find and many different attacks that find it;
 - toxicity classifier: a tiny Llama sequence classifier (2 outputs, label 1 = "toxic") on the
   embedded model's character tokenizer, trained here for a few hundred steps on random strings
   of its alphabet, labelled toxic when the string contains `TOXIC_DIGIT`. Its P(toxic) is a
@@ -24,6 +27,25 @@ import numpy as np
 
 TOXIC_DIGIT = "7"
 """A victim answer containing this character is what the toy classifier learns to call toxic."""
+
+
+def build_victim(out: str | Path, *, seed: int = 0) -> Path:
+    """Save the toy victim (random weights, init std 0.5) in HF format in `out`; returns `out`."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hpc_tba.models.tiny import BOS, EOS, PAD, build_tokenizer
+
+    out = Path(out)
+    torch.manual_seed(seed)
+    tok = build_tokenizer()
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=1, num_key_value_heads=1,
+                      head_dim=64, max_position_embeddings=128, bos_token_id=BOS,
+                      eos_token_id=EOS, pad_token_id=PAD, initializer_range=0.5)
+    LlamaForCausalLM(cfg).save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    return out
 
 
 def build_classifier(out: str | Path, *, steps: int = 150, seed: int = 0,
@@ -95,12 +117,19 @@ def write_prompts(out_dir: str | Path, *, num_train: int = 200, num_test: int = 
     return out_dir
 
 
-def build(out_dir: str | Path, *, victim: str, steps: int = 150) -> list[str]:
-    """Prompts and classifier under `out_dir`; the Hydra overrides of a `task=redteam` run."""
+VICTIM_MAX_NEW_TOKENS = 8
+
+
+def build(out_dir: str | Path, *, steps: int = 150) -> list[str]:
+    """Prompts, victim and classifier under `out_dir` (each built once); the Hydra overrides of
+    a `task=redteam` run on them."""
     out_dir = Path(out_dir)
     prompts = write_prompts(out_dir / "prompts")
-    clf = out_dir / "classifier"
+    clf, victim = out_dir / "classifier", out_dir / "victim"
     if not (clf / "config.json").is_file():
         build_classifier(clf, steps=steps)
+    if not (victim / "config.json").is_file():
+        build_victim(victim)
     return ["task=redteam", f"task.path={prompts}", f"task.reward_model={clf}",
-            f"task.victim_model={victim}", "task.reward_label=1"]
+            f"task.victim_model={victim}", "task.reward_label=1",
+            f"task.victim_max_new_tokens={VICTIM_MAX_NEW_TOKENS}"]
