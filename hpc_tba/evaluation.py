@@ -137,8 +137,11 @@ def eval_main(argv: list[str]) -> int:
     try:
         args, overrides = parse_args(argv)
         cfg = compose(overrides)
-        model_path = _resolve_model(cfg, args.model)
+        # Task and data errors first (no model work); a chat template needs the model's tokenizer.
+        chat = cfg.task.chat_template != "off"
+        model_path = _resolve_model(cfg, args.model) if chat else None
         task, prompts = _load_prompts(cfg, args, model_path)
+        model_path = model_path or _resolve_model(cfg, args.model)
     except (EvalError, ConfigError, ValueError, FileNotFoundError) as e:
         print(f"hpc-tba eval: {_one_line(e)}", file=sys.stderr)
         return 2
@@ -164,7 +167,7 @@ def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
 
 
-def _load_prompts(cfg: RunConfig, args: EvalArgs, model_path: str) -> tuple[Task, list[Prompt]]:
+def _load_prompts(cfg: RunConfig, args: EvalArgs, model_path: str | None) -> tuple[Task, list[Prompt]]:
     """The task and the prompts of the split to evaluate (never empty), formatted for the model."""
     from hpc_tba.tasks import build_task
 
