@@ -123,7 +123,8 @@ def preprocess(overrides: list[str]) -> int:
     cfg = compose(overrides)
     if cfg.task.name != "offline" or not os.path.isfile(cfg.task.path):
         raise SystemExit("hpc-tba: preprocess needs task=offline task.path=<a JSONL/parquet file>")
-    out = preprocess_file(cfg.task.path, resolve_model_path(cfg.model, cfg.task))
+    out = preprocess_file(cfg.task.path, resolve_model_path(cfg.model, cfg.task),
+                          temperature=cfg.searcher.temperature, task_cfg=cfg.task)
     print(f"hpc-tba: wrote {out}")
     return 0
 

@@ -45,6 +45,9 @@ class RunConfig:
     """never | auto (the latest complete checkpoint in run_dir, if any) | a checkpoint directory."""
 
     def __post_init__(self) -> None:
+        from hpc_tba.tasks.fit import fit_run
+
+        fit_run(self)  # reward map, sampler: task, algo and buffer must fit (tasks/fit.py)
         if self.resume not in ("never", "auto") and not self.resume.startswith(("/", ".", "~")):
             raise ValueError(f"resume={self.resume!r}: use never, auto, or a checkpoint directory path")
         if self.learner.mode == "sync" and self.searcher.samples_per_prompt < self.searcher.k:

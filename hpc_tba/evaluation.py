@@ -137,8 +137,11 @@ def eval_main(argv: list[str]) -> int:
     try:
         args, overrides = parse_args(argv)
         cfg = compose(overrides)
-        task, prompts = _load_prompts(cfg, args)
-        model_path = _resolve_model(cfg, args.model)
+        # Task and data errors first (no model work); a chat template needs the model's tokenizer.
+        chat = cfg.task.chat_template != "off"
+        model_path = _resolve_model(cfg, args.model) if chat else None
+        task, prompts = _load_prompts(cfg, args, model_path)
+        model_path = model_path or _resolve_model(cfg, args.model)
     except (EvalError, ConfigError, ValueError, FileNotFoundError) as e:
         print(f"hpc-tba eval: {_one_line(e)}", file=sys.stderr)
         return 2
@@ -164,11 +167,11 @@ def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
 
 
-def _load_prompts(cfg: RunConfig, args: EvalArgs) -> tuple[Task, list[Prompt]]:
-    """The task and the prompts of the split to evaluate (never empty)."""
+def _load_prompts(cfg: RunConfig, args: EvalArgs, model_path: str | None) -> tuple[Task, list[Prompt]]:
+    """The task and the prompts of the split to evaluate (never empty), formatted for the model."""
     from hpc_tba.tasks import build_task
 
-    task = build_task(cfg.task)
+    task = build_task(cfg.task, tokenizer=model_path)
     prompts = task.prompts(args.split)
     if args.limit:
         prompts = prompts[:args.limit]
@@ -272,6 +275,9 @@ def score(task: Task, prompts: Sequence[Prompt], greedy: Sequence[str],
         prefix = "redteam/diversity" if redteam else "diversity"
         metrics.update(diversity(texts, prefix=prefix, max_texts=args.diversity_max,
                                  embedder=args.embedder))
+    if redteam and args.samples:  # TBA's claim is about the diversity of *successful* attacks
+        metrics.update(task.success_metrics([p for p, s in zip(prompts, sampled) for _ in s],
+                                            [r for s in sampled for r in s]))
     return metrics
 
 

@@ -10,7 +10,8 @@ from conftest import HPC_TBA, REPO
 
 SHORT = ["learner.total_steps=3", "learner.eval_every=0", "buffer.warm_start=50",
          "learner.export_final=false"]
-TOPR_01 = ["algo.topr_positive_threshold=0.5", "algo.topr_baseline=0.5"]  # 0/1 rewards
+# 0/1 rewards in the task's own units (the default, reward_map=auto, maps them to ±1 instead).
+TOPR_01 = ["algo.reward_map=none", "algo.topr_positive_threshold=0.5", "algo.topr_baseline=0.5"]
 
 
 def _train(run_dir, *args, timeout=600):
@@ -37,7 +38,8 @@ def offline_file(tmp_path_factory):
     subprocess.run([sys.executable, f"{REPO}/tools/make_offline_data.py", str(data),
                     "--samples", "4", "--max-prompts", "200"], check=True, capture_output=True,
                    timeout=600)
-    proc = subprocess.run([HPC_TBA, "preprocess", "task=offline", f"task.path={data}"],
+    proc = subprocess.run([HPC_TBA, "preprocess", "task=offline", f"task.path={data}",
+                           "searcher.temperature=1.0"],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in open(d / "data.preprocessed.jsonl")]
@@ -63,7 +65,7 @@ def test_offline_training_without_searchers(algo, extra, offline_file, tmp_path)
 
 
 def test_offline_task_with_searchers_is_refused(offline_file, tmp_path):
-    proc = subprocess.run([HPC_TBA, "train", "algo=topr", "task=offline",
+    proc = subprocess.run([HPC_TBA, "train", "algo=topr", *TOPR_01, "task=offline",
                            f"task.path={offline_file}", f"run_dir={tmp_path}/run"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0

@@ -279,8 +279,8 @@ def test_every_arm_of_every_experiment_composes():
     from hpc_tba.config import compose
 
     for exp in EXPERIMENTS.values():
-        names = {f for a in exp.arms for o in a.overrides
-                 for _, f, _, _ in string.Formatter().parse(o) if f}
+        names = {f for o in (*exp.common, *exp.eval_overrides, *(o for a in exp.arms for o in a.overrides))
+                 for _, f, _, _ in string.Formatter().parse(o) if f and f != "seed"}
         fake = {n: "x.jsonl" if n.startswith("data") else "0.1" for n in names}
         for spec in runner.plan(exp, seeds=1, quick=False, root=Path("/tmp/r"), vars=fake):
             if spec.train_cmd is not None:

@@ -11,6 +11,7 @@ import math
 
 ALGOS = ("tb", "topr", "alol", "grpo", "rloo", "dpo", "sft")
 TB_LOGZ = ("vargrad", "learned")
+REWARD_MAPS = ("auto", "pm1", "none")
 ALOL_VARIANTS = ("a_lol", "ref_free", "seq", "kl", "r_lol")
 DPO_PAIRINGS = ("best_worst", "all")
 
@@ -28,7 +29,18 @@ class LossConfig:
     beta_steps: int = 500
     """TB: learner updates over which β goes linearly from beta0 to beta_final."""
     tb_logz: str = "vargrad"
-    """TB: 'vargrad' (per-prompt batch estimate, the paper's) or 'learned' (learner owns logZ)."""
+    """TB: 'vargrad' (per-prompt batch estimate, the paper's). 'learned' (a logZ per prompt owned
+    by the learner) exists in the loss but a run refuses it (tasks/fit.py): no learner owns one."""
+
+    reward_map: str = "auto"
+    """TOPR: how task rewards become TOPR's rewards. pm1: R in the declared [low, high] maps
+    linearly to [−1, +1] (the paper's ±1; 0/1 rewards become −1/+1), and topr_baseline /
+    topr_positive_threshold are in those units. none: raw rewards, baseline and threshold in the
+    task's units. auto: none when the task's range is already [−1, 1], pm1 when the baseline and
+    threshold are left at 0, refused otherwise (the units they are in would be a guess)."""
+    reward_range: list[float] = dataclasses.field(default_factory=list)
+    """[low, high] of the task's rewards, filled in at composition from the task's declaration
+    (hpc_tba.tasks.reward_range); empty = undeclared."""
 
     topr_baseline: float = 0.0
     """TOPR: baseline c subtracted from rewards (R − c); sets the effective positive fraction."""
@@ -78,6 +90,11 @@ class LossConfig:
             raise ValueError("algo.beta_steps must be >= 0")
         if self.tb_logz not in TB_LOGZ:
             raise ValueError(f"algo.tb_logz={self.tb_logz!r} is not one of {', '.join(TB_LOGZ)}")
+        if self.reward_map not in REWARD_MAPS:
+            raise ValueError(f"algo.reward_map={self.reward_map!r} is not one of {', '.join(REWARD_MAPS)}")
+        if self.reward_range and (len(self.reward_range) != 2 or
+                                  not float(self.reward_range[0]) < float(self.reward_range[1])):
+            raise ValueError(f"algo.reward_range={list(self.reward_range)} must be [low, high], low < high")
         for kind in ("pos", "neg"):
             lo, hi = getattr(self, f"topr_{kind}_min"), getattr(self, f"topr_{kind}_max")
             if not (0.0 <= lo <= hi) or math.isnan(hi):
@@ -123,3 +140,56 @@ class LossConfig:
         if self.beta_steps == 0 or step >= self.beta_steps:
             return self.beta_final
         return self.beta0 + (self.beta_final - self.beta0) * step / self.beta_steps
+
+    def topr_rewards(self, rewards):
+        """TOPR's rewards from the task's (a tensor or array): mapped to [−1, 1] under
+        reward_map=pm1 (low -> −1, high -> +1), unchanged under none."""
+        if self.reward_map != "pm1":
+            return rewards
+        low, high = (float(v) for v in self.reward_range)
+        return (rewards - low) * (2.0 / (high - low)) - 1.0
+
+    def fit_rewards(self, task_range: tuple[float, float] | None, *, task: str) -> LossConfig:
+        """This config with reward_map resolved against the task's declared reward range (and
+        algo.reward_range filled in); raises ValueError when TOPR's split would be ill-defined."""
+        rng = (float(self.reward_range[0]), float(self.reward_range[1])) if self.reward_range else task_range
+        stored = list(rng) if rng is not None else []
+        if self.name != "topr":
+            if self.reward_map == "pm1":
+                raise ValueError(f"algo.reward_map=pm1 sets TOPR's ±1 rewards; algo={self.name} uses "
+                                 "the task's rewards as they are: use algo.reward_map=auto or none")
+            return dataclasses.replace(self, reward_map="none", reward_range=stored)
+        mode = self.reward_map
+        if mode == "auto":
+            mode = self._auto_reward_map(rng, task)
+        if mode == "pm1" and rng is None:
+            raise ValueError(f"algo.reward_map=pm1 maps the task's reward range to ±1, but task={task} "
+                             "declares none: set task.reward_range=[low, high]")
+        units = (-1.0, 1.0) if mode == "pm1" else rng
+        if units is not None:
+            lo, hi = units
+            where = "TOPR's ±1 units" if mode == "pm1" else f"task {task}'s reward units [{lo:g}, {hi:g}]"
+            t, c = self.topr_positive_threshold, self.topr_baseline
+            if not lo < t <= hi:
+                raise ValueError(f"algo.topr_positive_threshold={t:g} in {where} makes every sample "
+                                 f"{'positive' if t <= lo else 'negative'}: it must be in ({lo:g}, {hi:g}]")
+            if not lo < c < hi:
+                raise ValueError(f"algo.topr_baseline={c:g} in {where}: R − c must be negative for the "
+                                 f"lowest reward and positive for the highest, so c must be in ({lo:g}, {hi:g})")
+        return dataclasses.replace(self, reward_map=mode, reward_range=stored)
+
+    def _auto_reward_map(self, rng: tuple[float, float] | None, task: str) -> str:
+        if rng is None:
+            raise ValueError(f"algo=topr with task={task}: the task declares no reward range, so which "
+                             "rewards are negatives is unknown: set task.reward_range=[low, high] (auto then "
+                             "maps it to ±1), or algo.reward_map=none with algo.topr_positive_threshold "
+                             "and algo.topr_baseline in the task's units")
+        if rng == (-1.0, 1.0):
+            return "none"
+        if self.topr_baseline == 0.0 and self.topr_positive_threshold == 0.0:
+            return "pm1"
+        raise ValueError(f"algo=topr with task={task} (rewards in [{rng[0]:g}, {rng[1]:g}]) and "
+                         f"algo.topr_baseline={self.topr_baseline:g}, algo.topr_positive_threshold="
+                         f"{self.topr_positive_threshold:g} under algo.reward_map=auto is ambiguous: say "
+                         "whether these are in TOPR's ±1 units (algo.reward_map=pm1) or the task's "
+                         "(algo.reward_map=none)")

@@ -62,7 +62,7 @@ def compute_loss(cfg: LossConfig, inputs: LossInputs, *, step: int,
         loss, metrics = trajectory_balance(x.logp, _need(x, "logp_ref", cfg), x.mask, x.rewards,
                                            x.group_ids, cfg.beta(step), logz=logz, normalizer=normalizer)
     elif name == "topr":
-        loss, metrics = topr(x.logp, x.logp_behavior, x.mask, x.rewards, baseline=cfg.topr_baseline,
+        loss, metrics = topr(x.logp, x.logp_behavior, x.mask, cfg.topr_rewards(x.rewards), baseline=cfg.topr_baseline,
                              pos_clip=(cfg.topr_pos_min, cfg.topr_pos_max),
                              neg_clip=(cfg.topr_neg_min, cfg.topr_neg_max),
                              length_normalize=cfg.topr_length_normalize,

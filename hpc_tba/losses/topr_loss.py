@@ -5,8 +5,11 @@
     α  = sg[clip(exp Δ, a−, b−)]   if R < 0
     ℓ  = −α · (R − c) · S / |y|                          (/|y| when length_normalize)
 
-The split into positives and negatives uses the raw reward R (R ≥ positive_threshold, 0 by
-default); the baseline c only shifts the multiplier (R − c). One function covers the family
+The split into positives and negatives uses the reward R it is given (R ≥ positive_threshold, 0
+by default); the baseline c only shifts the multiplier (R − c). With 0/1 task rewards and c = 0 a
+wrong answer would get R − c = 0, i.e. no weight at all (rejection-sampling SFT, not TOPR), so
+the dispatcher passes `LossConfig.topr_rewards(R)`: under algo.reward_map=pm1 (what `auto` picks
+for a 0/1 task) the task's declared [low, high] maps to the paper's ±1. One function covers the family
 (pos_clip = (a+, b+), neg_clip = (a−, b−)):
 
 | setting                     | pos_clip    | neg_clip    |
@@ -65,7 +68,8 @@ def topr(
 
     Returns:
         (loss, metrics) with `loss/topr`, `topr/pos_frac`, `topr/weight_pos`, `topr/weight_neg`
-        (mean weights), `topr/neg_tapered_frac` (negatives with weight < 1).
+        (mean weights), `topr/multiplier_pos` / `topr/multiplier_neg` (mean R − c: the reward
+        mapping as trained on), `topr/neg_tapered_frac` (negatives with weight < 1).
     """
     check_shapes(logp, mask, tokens=(behavior_logp,), samples=(rewards,))
     valid = valid_rows(mask)                                          # [B]
@@ -81,7 +85,10 @@ def topr(
 
     with torch.no_grad():
         vpos, vneg = valid & pos, valid & ~pos
+        multiplier = rewards.float() - baseline  # [B] R − c: > 0 pushes a sample up, < 0 down
         metrics = {
+            "topr/multiplier_pos": masked_mean_rows(multiplier, vpos),
+            "topr/multiplier_neg": masked_mean_rows(multiplier, vneg),
             "loss/topr": loss.detach(),
             "topr/pos_frac": masked_mean_rows(pos.float(), valid),
             "topr/weight_pos": masked_mean_rows(weight, vpos),

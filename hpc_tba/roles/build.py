@@ -83,7 +83,9 @@ def role(cfg: RunConfig, transport, topo: Topology, role: Role):
     groups = setup_groups(transport, topo, backend=cfg.cluster.dist_backend)
     if role is Role.LEARNER:
         return _learner(cfg, transport, topo, groups, model_path, preemption)
-    return _searcher(cfg, transport, topo, groups, model_path, build_task(cfg.task))
+    device = "cuda" if groups.backend == "nccl" else "cpu"  # the searcher's engine device
+    return _searcher(cfg, transport, topo, groups, model_path,
+                     build_task(cfg.task, tokenizer=model_path, device=device))
 
 
 def _learner(cfg: RunConfig, transport, topo: Topology, groups, model_path: str, preemption):
@@ -122,7 +124,8 @@ def _fill_offline(cfg: RunConfig, shard, model_path: str) -> None:
 
     needs = (["logp_behavior"] if cfg.algo.name == "topr" else []) + (
         ["advantage"] if cfg.algo.needs_advantages else [])
-    fill_shard(shard, build_task(cfg.task), AutoTokenizer.from_pretrained(model_path), needs=needs)
+    fill_shard(shard, build_task(cfg.task, tokenizer=model_path), AutoTokenizer.from_pretrained(model_path),
+               needs=needs, temperature=cfg.searcher.temperature)
 
 
 def _probe(cfg: RunConfig, model_path: str) -> tuple[list[int], list[int]]:
@@ -132,7 +135,7 @@ def _probe(cfg: RunConfig, model_path: str) -> tuple[list[int], list[int]]:
     from hpc_tba.tasks import build_task
 
     tok = AutoTokenizer.from_pretrained(model_path)
-    p = build_task(cfg.task).prompts("train")[0]
+    p = build_task(cfg.task, tokenizer=tok).prompts("train")[0]
     response = tok(p.answer or p.text, add_special_tokens=False)["input_ids"]
     return tok(p.text)["input_ids"], response + [tok.eos_token_id]
 

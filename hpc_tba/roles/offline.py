@@ -2,13 +2,17 @@
 
 `hpc-tba preprocess task=offline task.path=...` computes, once, whatever the objective needs and
 the file lacks, under the starting policy (which is both the behaviour policy μ of data the model
-generated itself and the reference π_ref): sequence log-probs at temperature 1 and A-LoL's
+generated itself and the reference π_ref): sequence log-probs at the temperature the learner will
+score at (searcher.temperature, recorded on each row as `logp_temperature`; training refuses rows
+under another temperature, by name) and A-LoL's
 advantage A = R − V(x), with V a small head on the frozen reference's prompt hidden states
 (hpc_tba.losses.value). Departure from A-LoL: V is fitted to the file's own rewards, not to rewards
 of fresh π_ref samples on a validation split (there is no scorer for an offline file).
 
-Training then reads `<name>.preprocessed.jsonl` if it exists (else the file itself), groups rows by
-prompt, and adds each prompt's rows to the shard that owns it. Sequence-level log-probs go on the
+Prompts are formatted by the task (chat template, tasks/chat.py) in both passes, so the log-probs
+are of exactly the token ids the learner trains on. Training then reads
+`<name>.preprocessed.jsonl` if it exists (else the file itself), groups rows by prompt, and adds
+each prompt's rows to the shard that owns it. Sequence-level log-probs go on the
 first response token (zeros elsewhere), so the losses' per-token sums see exactly the stored value.
 """
 from __future__ import annotations
@@ -24,18 +28,22 @@ from hpc_tba.roles.policy import pack, response_logprobs
 
 
 def encode(tok, prompt: str, response: str) -> tuple[np.ndarray, np.ndarray]:
-    """Token ids as the learner trains on them: prompt with BOS, response then EOS."""
+    """Token ids as the learner trains on them: the (formatted) prompt as `tok` encodes it (BOS
+    per tokenizer), response then EOS."""
     p = tok(prompt)["input_ids"]
     r = tok(response, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     return np.asarray(p, np.int32), np.asarray(r, np.int32)
 
 
-def sequence_logprobs(model, tok, prompts: Sequence[str], responses: Sequence[str]) -> list[float]:
-    """log π(y|x) summed over response tokens (EOS included), temperature 1."""
+def sequence_logprobs(model, tok, prompts: Sequence[str], responses: Sequence[str], *,
+                      temperature: float = 1.0) -> list[float]:
+    """log π(y|x) summed over response tokens (EOS included), from logits / temperature."""
     pairs = [encode(tok, p, r) for p, r in zip(prompts, responses)]
-    packed = pack([p for p, _ in pairs], [r for _, r in pairs], pad_id=tok.pad_token_id or 0)
+    # Right padding under an attention mask: the pad id never reaches a real position.
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    packed = pack([p for p, _ in pairs], [r for _, r in pairs], pad_id=pad)
     with torch.no_grad():
-        logp = response_logprobs(model, packed, temperature=1.0)
+        logp = response_logprobs(model, packed, temperature=temperature)
     return logp.sum(-1).tolist()
 
 
@@ -54,18 +62,23 @@ def prompt_hidden(model, tok, prompts: Sequence[str]) -> torch.Tensor:
     return pool_prompt_hidden(out.hidden_states[-1], mask, mode="last")
 
 
-def preprocess_file(path: str, model_path: str, *, batch_size: int = 64) -> str:
-    """Write `<name>.preprocessed.jsonl` with logp_behavior, logp_ref and advantage filled in."""
+def preprocess_file(path: str, model_path: str, *, temperature: float, task_cfg=None,
+                    batch_size: int = 64) -> str:
+    """Write `<name>.preprocessed.jsonl` with logp_behavior, logp_ref (under logits /
+    temperature, recorded as logp_temperature) and advantage filled in. `task_cfg` formats the
+    prompts as training will (its chat template); None: prompts as written."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hpc_tba.losses.value import fit_value_head
+    from hpc_tba.tasks import build_task
     from hpc_tba.tasks.offline import preprocess, read_offline
 
     tok = AutoTokenizer.from_pretrained(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    fmt = _formatter(build_task(task_cfg, tokenizer=tok)) if task_cfg is not None else (lambda t: t)
     rows = read_offline(path)
     prompts = list(dict.fromkeys(r.prompt for r in rows))
-    hidden = torch.cat([prompt_hidden(model, tok, prompts[i:i + batch_size])
+    hidden = torch.cat([prompt_hidden(model, tok, [fmt(p) for p in prompts[i:i + batch_size]])
                         for i in range(0, len(prompts), batch_size)])
     index = {p: i for i, p in enumerate(prompts)}
     head, _ = fit_value_head(hidden[[index[r.prompt] for r in rows]],
@@ -75,19 +88,39 @@ def preprocess_file(path: str, model_path: str, *, batch_size: int = 64) -> str:
         with torch.no_grad():
             return head(hidden[[index[p] for p in ps]]).tolist()
 
-    logp_fn = lambda ps, rs: sequence_logprobs(model, tok, ps, rs)  # noqa: E731
+    def logp_fn(ps: Sequence[str], rs: Sequence[str]) -> list[float]:
+        return sequence_logprobs(model, tok, [fmt(p) for p in ps], rs, temperature=temperature)
+
     return str(preprocess(path, behavior_fn=logp_fn, ref_fn=logp_fn, value_fn=value_fn,
-                          batch_size=batch_size))
+                          batch_size=batch_size, temperature=temperature))
 
 
-def fill_shard(shard, task, tok, *, needs: Sequence[str]) -> int:
-    """Add the offline rows this shard owns; returns the number of responses accepted."""
-    from hpc_tba.tasks.offline import preprocessed_path, read_offline, require_fields
+def _formatter(task):
+    return task.formatter if task.formatter is not None else (lambda t: t)
+
+
+def fill_shard(shard, task, tok, *, needs: Sequence[str], temperature: float) -> int:
+    """Add the offline rows this shard owns; returns the number of responses accepted.
+
+    Refuses (DataError, by file, line and field) rows whose stored log-probs are under another
+    temperature than the learner's and rewards outside a declared task.reward_range."""
+    from hpc_tba.tasks.offline import (
+        check_reward_range,
+        check_temperature,
+        preprocessed_path,
+        read_offline,
+        require_fields,
+    )
 
     source = task.cfg.path
     pre = preprocessed_path(source) if os.path.isfile(source) else None
     examples = read_offline(pre) if pre is not None and pre.exists() else task.examples("train")
     require_fields(examples, *needs)
+    # The learner uses the file's log μ only (it scores π_ref itself, at its own temperature).
+    check_temperature(examples, temperature, fields=("logp_behavior",))
+    if task.cfg.reward_range:
+        check_reward_range(examples, *(float(v) for v in task.cfg.reward_range))
+    fmt = _formatter(task)
     by_prompt: dict[str, list] = {}
     for ex in examples:
         by_prompt.setdefault(ex.prompt, []).append(ex)
@@ -95,7 +128,7 @@ def fill_shard(shard, task, tok, *, needs: Sequence[str]) -> int:
     for pid, (prompt, rows) in enumerate(by_prompt.items()):
         if pid % shard.num_shards != shard.shard_id:
             continue
-        enc = [encode(tok, prompt, r.response) for r in rows]
+        enc = [encode(tok, fmt(prompt), r.response) for r in rows]
         lengths = np.array([len(r) for _, r in enc], np.int32)
         batch = TrajectoryBatch(
             prompt_id=pid, prompt_tokens=enc[0][0], response_tokens=np.concatenate([r for _, r in enc]),

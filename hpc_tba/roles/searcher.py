@@ -222,7 +222,8 @@ class Searcher:
             "searcher/reward_failures": failed,
             "searcher/gen_tokens_per_s": n_tok / max(gen_s, 1e-9),
             "searcher/round_s": time.time() - t0, "searcher/version": version,
-            "searcher/sends_in_flight": self.transport.progress(), **self.timers.metrics()})
+            "searcher/sends_in_flight": self.transport.progress(), **self.timers.metrics(),
+            **(self.task.round_metrics(flat_prompts, texts, rewards) if texts else {})})  # e.g. red-team diversity
 
     def _sample(self, prompts: list[list[int]]) -> list:
         kw = dict(n=self.cfg.samples_per_prompt, temperature=self.cfg.temperature,

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from hpc_tba.tasks.arithmetic import ArithmeticTask
-from hpc_tba.tasks.base import Prompt, Task
+from hpc_tba.tasks.base import Prompt, RewardRange, Task
+from hpc_tba.tasks.chat import PromptFormatter
 from hpc_tba.tasks.config import TaskConfig
 from hpc_tba.tasks.math import GSM8KTask, MathTask
 from hpc_tba.tasks.offline import OfflineTask
@@ -21,10 +23,31 @@ TASKS: dict[str, Callable[[TaskConfig], Task]] = {
 }
 
 
-def build_task(cfg: TaskConfig) -> Task:
+def build_task(cfg: TaskConfig, *, tokenizer: Any = None, device: str | None = None) -> Task:
+    """The task of `cfg`. `tokenizer` (a tokenizer or the model's directory) formats prompts when
+    task.chat_template is on/auto; `device` is the caller's device (the searcher's), where
+    reward and victim models go under task.reward_device=auto."""
     if cfg.name not in TASKS:
         raise ValueError(f"task.name={cfg.name!r} is not one of {', '.join(sorted(TASKS))}")
-    return TASKS[cfg.name](cfg)
+    if cfg.chat_template != "off" and tokenizer is None:
+        raise ValueError(f"task.chat_template={cfg.chat_template} needs the model's tokenizer to "
+                         "format prompts: build_task(cfg, tokenizer=<model directory>)")
+    task = TASKS[cfg.name](cfg)
+    if cfg.chat_template != "off":
+        formatter = PromptFormatter(cfg, tokenizer)
+        task.formatter = formatter if formatter.active else None
+    if device is not None:
+        task.device = device
+    return task
 
 
-__all__ = ["Prompt", "Task", "TaskConfig", "TASKS", "build_task"]
+def reward_range(cfg: TaskConfig) -> RewardRange | None:
+    """The declared range of the task's rewards, without building the task (config time):
+    task.reward_range if set, else the task's own declaration."""
+    if cfg.reward_range:
+        return RewardRange(float(cfg.reward_range[0]), float(cfg.reward_range[1]))
+    cls = TASKS.get(cfg.name)
+    return None if cls is None else cls.reward_range
+
+
+__all__ = ["Prompt", "RewardRange", "Task", "TaskConfig", "TASKS", "build_task", "reward_range"]

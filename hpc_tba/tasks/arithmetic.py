@@ -10,12 +10,13 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from hpc_tba.tasks.base import Prompt, Task
+from hpc_tba.tasks.base import BINARY, Prompt, Task
 from hpc_tba.tasks.config import TaskConfig
 
 
 class ArithmeticTask(Task):
     name = "arithmetic"
+    reward_range = BINARY
 
     def __init__(self, cfg: TaskConfig):
         n = cfg.max_operand + 1
@@ -29,11 +30,14 @@ class ArithmeticTask(Task):
             "train": make[: cfg.num_train],
             "test": [Prompt(i, p.text, p.answer) for i, p in enumerate(make[cfg.num_train:])],
         }
+        self._formatted: dict[str, list[Prompt]] = {}
 
     def prompts(self, split: str) -> list[Prompt]:
         if split not in self._splits:
             raise ValueError(f"arithmetic task has no split {split!r} (train, test)")
-        return self._splits[split]
+        if self.formatter is not None and split not in self._formatted:
+            self._formatted[split] = self.format_prompts(self._splits[split])
+        return self._formatted[split] if self.formatter is not None else self._splits[split]
 
     def score(self, prompts: Sequence[Prompt], responses: Sequence[str]) -> np.ndarray:
         return np.array([float(r.strip() == p.answer) for p, r in zip(prompts, responses)],

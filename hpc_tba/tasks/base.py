@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -18,10 +18,46 @@ class Prompt:
     """Reference answer, for tasks with a verifiable reward."""
 
 
+@dataclasses.dataclass(frozen=True)
+class RewardRange:
+    """The rewards a task can give: every reward lies in [low, high]."""
+
+    low: float
+    high: float
+    binary: bool = False
+    """Only the two ends occur (exact-match rewards: 0 or 1)."""
+
+    def __post_init__(self) -> None:
+        if not self.low < self.high:
+            raise ValueError(f"reward range needs low < high, got [{self.low}, {self.high}]")
+
+
+BINARY = RewardRange(0.0, 1.0, binary=True)
+"""Exact-match rewards: 1 if correct, else 0."""
+
+
 class Task(abc.ABC):
     """A source of prompts and a reward. Implementations must be deterministic given their config."""
 
     name: str = "task"
+    reward_range: RewardRange | None = None
+    """The rewards `score` gives (None: unbounded or unknown, e.g. a reward model's logit)."""
+    formatter: Callable[[str], str] | None = None
+    """Applied to every prompt text (tasks.chat.PromptFormatter; set by build_task)."""
+    device: str | None = None
+    """The caller's device (the searcher's): where reward/victim models go under
+    task.reward_device=auto. None: cuda when available, else cpu."""
+
+    def format_prompts(self, prompts: list[Prompt]) -> list[Prompt]:
+        """Prompts with their text as the model expects it (chat template, BOS once)."""
+        if self.formatter is None:
+            return prompts
+        return [dataclasses.replace(p, text=self.formatter(p.text)) for p in prompts]
+
+    def round_metrics(self, prompts: Sequence[Prompt], responses: Sequence[str],
+                      rewards: np.ndarray) -> dict[str, float]:
+        """Task-specific scalars of one generation round, logged by the searcher (none here)."""
+        return {}
 
     @abc.abstractmethod
     def prompts(self, split: str) -> list[Prompt]:

@@ -5,6 +5,11 @@ import dataclasses
 
 FILE_TASKS = ("gsm8k", "math", "offline", "preference", "redteam")
 """Tasks that read the user's files and so need `task.path`."""
+CHAT_TEMPLATE = {"false": "off", "off": "off", "no": "off", "true": "on", "on": "on", "yes": "on",
+                 "auto": "auto"}
+"""Spellings `task.chat_template` accepts (yaml booleans arrive as "True"/"False"), normalised."""
+REWARD_DEVICES = ("auto", "cpu", "cuda")
+REWARD_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 @dataclasses.dataclass
@@ -43,6 +48,20 @@ class TaskConfig:
     """redteam: length of the victim's (greedy) answer."""
     curation: str = "none"
     """offline: `none`, or `anna_karenina` (TOPR: first correct response per prompt + all wrong)."""
+    chat_template: str = "off"
+    """Wrap each prompt in the tokenizer's own chat template (a user turn, then the generation
+    prompt): off, on (refused if the tokenizer has none), or auto (when it has one)."""
+    system_prompt: str = ""
+    """With a chat template: a system turn put before every prompt (empty = none)."""
+    reward_range: list[float] = dataclasses.field(default_factory=list)
+    """Declared [low, high] of the rewards; empty = the task's own declaration (tasks.reward_range:
+    {0, 1} for exact match, [0, 1] for P(toxic)). Offline files must declare it for TOPR."""
+    reward_device: str = "auto"
+    """preference, redteam: device of the reward / classifier / victim models: auto (the
+    searcher's own device), cpu or cuda."""
+    reward_dtype: str = "auto"
+    """preference, redteam: their dtype: auto (bfloat16 on cuda, float32 on cpu), float32,
+    bfloat16 or float16."""
 
     def __post_init__(self) -> None:
         if self.num_train < 1 or self.num_test < 1:
@@ -70,3 +89,20 @@ class TaskConfig:
             raise ValueError(f"task.curation={self.curation!r} must be `none` or `anna_karenina`")
         if self.max_prompts < 0:
             raise ValueError("task.max_prompts must be >= 0 (0 = all prompts)")
+        mode = CHAT_TEMPLATE.get(str(self.chat_template).strip().lower())
+        if mode is None:
+            raise ValueError(f"task.chat_template={self.chat_template!r} must be on, off or auto")
+        self.chat_template = mode
+        if self.system_prompt and mode == "off":
+            raise ValueError("task.system_prompt is set but task.chat_template=off: a system turn "
+                             "needs the chat template (task.chat_template=on or auto)")
+        if self.reward_range and (len(self.reward_range) != 2 or not
+                                  float(self.reward_range[0]) < float(self.reward_range[1])):
+            raise ValueError(f"task.reward_range={list(self.reward_range)} must be [low, high] with "
+                             "low < high")
+        if self.reward_device not in REWARD_DEVICES and not self.reward_device.startswith("cuda:"):
+            raise ValueError(f"task.reward_device={self.reward_device!r} must be auto, cpu, cuda "
+                             "or cuda:N")
+        if self.reward_dtype not in REWARD_DTYPES:
+            raise ValueError(f"task.reward_dtype={self.reward_dtype!r} is not one of "
+                             f"{', '.join(REWARD_DTYPES)}")

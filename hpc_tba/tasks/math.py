@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hpc_tba.tasks.base import Prompt, Task
+from hpc_tba.tasks.base import BINARY, Prompt, Task
 from hpc_tba.tasks.config import TaskConfig
 from hpc_tba.tasks.math_answers import (
     answers_equal,
@@ -43,6 +43,7 @@ class MathTask(Task):
     """Hendrycks MATH: competition problems with a `\\boxed{}` final answer."""
 
     name = "math"
+    reward_range = BINARY
     question_field = "problem"
 
     def __init__(self, cfg: TaskConfig):
@@ -54,7 +55,7 @@ class MathTask(Task):
 
     def prompts(self, split: str) -> list[Prompt]:
         if split not in self._splits:
-            self._splits[split] = self._load(split)
+            self._splits[split] = self.format_prompts(self._load(split))
         return self._splits[split]
 
     def _load(self, split: str) -> list[Prompt]:

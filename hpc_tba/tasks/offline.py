@@ -20,7 +20,10 @@ prompt and every incorrect one (correct answers are alike; each wrong one is wro
 Preprocessing. `preprocess(path, behavior_fn=..., ref_fn=..., value_fn=...)` fills in whichever of
 logp_behavior / logp_ref / advantage are missing, by calling the functions given in batches, and
 writes every row (with the new fields) to `<name>.preprocessed.jsonl` next to the data, so the
-expensive model pass runs once and training reads the result. The functions are plain callables
+expensive model pass runs once and training reads the result. Given `temperature=T` it records
+`logp_temperature: T` on each row whose log-probs are all under T, and recomputes the log-probs
+of rows recorded at another temperature; the learner refuses rows whose log-probs are at a
+temperature other than the one it scores at, naming both (`check_temperature`). The functions are plain callables
 (the learner passes ones backed by the model), which keeps this module testable without a model.
 """
 from __future__ import annotations
@@ -49,7 +52,8 @@ LogProbFn = Callable[[Sequence[str], Sequence[str]], Sequence[float]]
 ValueFn = Callable[[Sequence[str]], Sequence[float]]
 """prompts -> V(x), A-LoL's value of each prompt under the reference policy."""
 
-OPTIONAL_FIELDS = ("logp_behavior", "logp_ref", "advantage")
+OPTIONAL_FIELDS = ("logp_behavior", "logp_ref", "advantage", "logp_temperature")
+LOGP_FIELDS = ("logp_behavior", "logp_ref")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +69,9 @@ class OfflineExample:
     """log π_ref(y|x) summed over response tokens (A-LoL's ratio), if known."""
     advantage: float | None = None
     """A-LoL's R − V(x), if computed."""
+    logp_temperature: float | None = None
+    """The temperature logp_behavior / logp_ref are under (log softmax(logits / T)); the learner
+    refuses rows whose temperature is not the one it scores at (searcher.temperature)."""
     source: str = ""
     """`file:line` the row came from (for messages)."""
 
@@ -168,7 +175,7 @@ def preprocessed_path(path: str | Path) -> Path:
 def preprocess(path: str | Path, *, behavior_fn: LogProbFn | None = None,
                ref_fn: LogProbFn | None = None, value_fn: ValueFn | None = None,
                out: str | Path | None = None, batch_size: int = 32,
-               recompute: bool = False) -> Path:
+               recompute: bool = False, temperature: float | None = None) -> Path:
     """Fill in missing logp_behavior / logp_ref / advantage and write all rows next to the data.
 
     Only rows whose field is absent or null are computed (all rows with `recompute=True`), so an
@@ -180,10 +187,15 @@ def preprocess(path: str | Path, *, behavior_fn: LogProbFn | None = None,
     raw = read_rows(path)
     examples = [parse_row(path, line, row) for line, row in raw]
     rows = [dict(row) for _, row in raw]
+    stale = {i for i, ex in enumerate(examples) if temperature is not None and
+             ex.logp_temperature is not None and ex.logp_temperature != temperature}
+    computed: dict[str, set[int]] = {}
     for field, fn in (("logp_behavior", behavior_fn), ("logp_ref", ref_fn)):
         if fn is None:
             continue
-        todo = [i for i, ex in enumerate(examples) if recompute or getattr(ex, field) is None]
+        todo = [i for i, ex in enumerate(examples)
+                if recompute or i in stale or getattr(ex, field) is None]
+        computed[field] = set(todo)
         values = _batched(lambda idx, fn=fn: fn([examples[i].prompt for i in idx],
                                                 [examples[i].response for i in idx]),
                           todo, batch_size, field)
@@ -197,7 +209,50 @@ def preprocess(path: str | Path, *, behavior_fn: LogProbFn | None = None,
         value_of = dict(zip(prompts, values))
         for i in todo:
             rows[i]["advantage"] = examples[i].reward - value_of[examples[i].prompt]
+    if temperature is not None:
+        _stamp_temperature(examples, rows, computed, temperature)
     return write_jsonl(out or preprocessed_path(path), rows)
+
+
+def _stamp_temperature(examples: Sequence[OfflineExample], rows: list[Row],
+                       computed: dict[str, set[int]], temperature: float) -> None:
+    """Record `logp_temperature` on rows whose every log-prob is now under `temperature`; a row
+    still holding a log-prob given without a temperature is left unstamped (and so refused by
+    the learner until the file says which temperature it is under)."""
+    for i, ex in enumerate(examples):
+        known = ex.logp_temperature == temperature
+        if all(rows[i].get(f) is None or i in computed.get(f, ()) or known for f in LOGP_FIELDS):
+            if any(rows[i].get(f) is not None for f in LOGP_FIELDS):
+                rows[i]["logp_temperature"] = temperature
+        else:
+            rows[i].pop("logp_temperature", None)
+
+
+def check_temperature(examples: Sequence[OfflineExample], temperature: float,
+                      fields: Sequence[str] = LOGP_FIELDS) -> None:
+    """Raise DataError at the first row holding a log-prob (of `fields`) not under `temperature`."""
+    for ex in examples:
+        present = [f for f in fields if getattr(ex, f) is not None]
+        if not present or ex.logp_temperature == temperature:
+            continue
+        path, _, line = ex.source.rpartition(":")
+        have = ("no logp_temperature (the temperature it is under is unknown)"
+                if ex.logp_temperature is None else f"logp_temperature={ex.logp_temperature:g}")
+        raise DataError(path or "<memory>",
+                        f"has {have}, but the learner scores at searcher.temperature="
+                        f"{temperature:g}: run `hpc-tba preprocess ... searcher.temperature="
+                        f"{temperature:g}` (it recomputes them), or set searcher.temperature to "
+                        "the data's", line=int(line) if line.isdigit() else None, field=present[0])
+
+
+def check_reward_range(examples: Sequence[OfflineExample], low: float, high: float) -> None:
+    """Raise DataError at the first reward outside the declared task.reward_range."""
+    for ex in examples:
+        if not low <= ex.reward <= high:
+            path, _, line = ex.source.rpartition(":")
+            raise DataError(path or "<memory>", f"reward {ex.reward:g} is outside the declared "
+                            f"task.reward_range=[{low:g}, {high:g}]",
+                            line=int(line) if line.isdigit() else None, field="reward")
 
 
 def _batched(call: Callable[[list[int]], Sequence[float]], todo: list[int], batch_size: int,
@@ -241,11 +296,13 @@ class OfflineTask(Task):
     """
 
     name = "offline"
+    reward_range = None  # a file's rewards: declare them with task.reward_range
 
     def __init__(self, cfg: TaskConfig):
         self.cfg = cfg
         self._cache: dict[str, list[OfflineExample]] = {}
         self._rewards: dict[tuple[str, str], float] = {}
+        self._raw: dict[str, str] = {}  # formatted prompt text -> the file's prompt
 
     def examples(self, split: str = "train") -> list[OfflineExample]:
         """The split's rows, curated by task.curation, from at most task.max_prompts prompts."""
@@ -262,12 +319,15 @@ class OfflineTask(Task):
 
     def prompts(self, split: str) -> list[Prompt]:
         texts = dict.fromkeys(ex.prompt for ex in self.examples(split))
-        return [Prompt(i, t) for i, t in enumerate(texts)]
+        out = self.format_prompts([Prompt(i, t) for i, t in enumerate(texts)])
+        self._raw.update({p.text: t for p, t in zip(out, texts)})  # rewards are keyed by the file's text
+        return out
 
     def score(self, prompts: Sequence[Prompt], responses: Sequence[str]) -> np.ndarray:
         out = []
         for p, r in zip(prompts, responses):
-            if (p.text, r) not in self._rewards:
+            key = (self._raw.get(p.text, p.text), r)
+            if key not in self._rewards:
                 raise KeyError("offline task has no reward for a response that is not in its file")
-            out.append(self._rewards[(p.text, r)])
+            out.append(self._rewards[key])
         return np.asarray(out, dtype=np.float32)

@@ -25,23 +25,47 @@ from typing import Any
 import numpy as np
 
 from hpc_tba.tasks.base import Prompt, Task
+from hpc_tba.tasks.chat import ensure_pad_token
 from hpc_tba.tasks.config import TaskConfig
 from hpc_tba.tasks.records import DataError, get_str, read_rows, split_files
+
+
+def reward_placement(cfg: TaskConfig, caller_device: str | None) -> tuple[str, str]:
+    """(device, dtype name) for reward / classifier / victim models under task.reward_device and
+    task.reward_dtype: auto = the caller's device (the searcher's; without one, cuda when
+    available), bfloat16 on cuda and float32 on cpu — never an implicit CPU fp32 on a GPU searcher."""
+    device = cfg.reward_device
+    if device == "auto":
+        if caller_device is None:
+            import torch
+
+            caller_device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = caller_device
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError(f"task.reward_device={cfg.reward_device} resolved to {device}, but this "
+                             "process sees no CUDA device")
+    dtype = cfg.reward_dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    return device, dtype
 
 
 class RewardModel:
     """A local sequence-classification checkpoint as a batched scorer of texts (no gradients)."""
 
     def __init__(self, path: str, *, batch_size: int = 16, max_length: int = 1024,
-                 device: str = "cpu", label: int = 0):
+                 device: str = "cpu", label: int = 0, dtype: str = "float32"):
         import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.tokenizer.truncation_side = "left"  # keep the end of the response
-        if self.tokenizer.pad_token is None:
-            self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.model: Any = AutoModelForSequenceClassification.from_pretrained(path).to(device).eval()
+        ensure_pad_token(self.tokenizer, f"reward model {path}")
+        self.model: Any = AutoModelForSequenceClassification.from_pretrained(
+            path, dtype=getattr(torch, dtype)).to(device).eval()
         if self.model.config.pad_token_id is None:  # needed to find each row's last real token
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
         if not 0 <= label < self.model.config.num_labels:
@@ -104,14 +128,16 @@ class PreferenceTask(Task):
     def reward_model(self) -> RewardModel:
         """Loaded on first use, so ranks that never score (learners) never load it."""
         if self._rm is None:
+            device, dtype = reward_placement(self.cfg, self.device)
             self._rm = RewardModel(self.cfg.reward_model, batch_size=self.cfg.reward_batch_size,
                                    max_length=self.cfg.reward_max_length,
-                                   label=self.cfg.reward_label)
+                                   label=self.cfg.reward_label, device=device, dtype=dtype)
         return self._rm
 
     def prompts(self, split: str) -> list[Prompt]:
         if split not in self._splits:
-            self._splits[split] = load_prompts(self.cfg, split, answer_field="reference")
+            self._splits[split] = self.format_prompts(
+                load_prompts(self.cfg, split, answer_field="reference"))
         return self._splits[split]
 
     def score(self, prompts: Sequence[Prompt], responses: Sequence[str]) -> np.ndarray:

@@ -263,5 +263,73 @@ TBA = Experiment(
                 ylabel="pass@8")),
 )
 
-EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (TOPR, ALOL, TBA)}
+# --------------------------------------------------------------------------- red-teaming
+
+REDTEAM_SEARCHERS = (1, 2, 3)
+
+
+def prepare_redteam(data_dir: Path, *, quick: bool, force: bool) -> Prepared:
+    """The toy red-teaming setup (hpc_tba/tasks/redteam_toy.py): prompts and a trained classifier."""
+    from hpc_tba.tasks import redteam_toy
+
+    out = data_dir / "redteam"
+    if force and out.exists():
+        import shutil
+
+        shutil.rmtree(out)
+    redteam_toy.build(out)
+    acc = redteam_toy.classifier_accuracy(out / "classifier")
+    return Prepared(vars={"rt_prompts": str(out / "prompts"), "rt_clf": str(out / "classifier"),
+                          "rt_victim": str(out / "victim")},
+                    stats={"toy classifier": {"accuracy on random strings": acc,
+                                              "toxic": f"contains {redteam_toy.TOXIC_DIGIT!r}"}})
+
+
+_RT_TASK = ("task=redteam", "task.path={rt_prompts}", "task.reward_model={rt_clf}",
+            "task.victim_model={rt_victim}", "task.reward_label=1", "task.victim_max_new_tokens=8")
+
+REDTEAM = Experiment(
+    name="redteam",
+    title="Red-teaming: more searchers, more diverse successful attacks? (toy, online)",
+    description=(
+        "TBA (Bartoldson et al., 2025, ALGORITHMS.md §1 red-teaming) reports that adding searchers "
+        "improves the diversity of the successful attacks an attacker finds. Tried here at toy "
+        "scale with the same machinery as a real red-teaming run (`task=redteam`): the attacker "
+        "(policy) is the embedded arithmetic model; the victim a tiny randomly initialised model "
+        "whose 8-token greedy answer depends on the attack in a hash-like way; the toxicity "
+        "classifier a tiny sequence classifier trained locally to call a text toxic when it "
+        "contains the digit 7 (`hpc_tba/tasks/redteam_toy.py`); reward = P(toxic) of the victim's "
+        "answer; the instruction prompts are `a+b=` strings (200 train, 40 test), so attacks are "
+        "mostly numbers and about one in eight succeeds at the start. TB with "
+        "TBA's red-teaming buffer (m = 0.5, oldest-first eviction), 100 learner steps at lr 1e-4, "
+        "prompts_per_step 4, 1, 2 or 3 searchers sharing the machine's second core (the learner "
+        "has the first). The final attacker is evaluated with 8 sampled attacks at T = 0.7 per "
+        "test prompt: success rate (pass@1 = share of attacks with P(toxic) > 0.5), the number "
+        "of distinct successful attacks among the 320, and self-BLEU / distinct-2 of the "
+        "successful ones (lower self-BLEU = more diverse). Nothing here is real toxicity, and "
+        "on 2 cores extra searchers add no compute, only more, staler samples per learner step."),
+    arms=tuple(Arm(f"s{n}", f"{n} searcher{'s' if n > 1 else ''}", (f"cluster.num_searchers={n}",),
+                   group="searchers") for n in REDTEAM_SEARCHERS),
+    common=(*_RT_TASK, "algo=tb", "buffer=redteam", "buffer.warm_start=64",
+            "learner.total_steps=100", "learner.prompts_per_step=4", "learner.lr=1.0e-4",
+            "learner.eval_every=0"),
+    quick=("learner.total_steps=3",),
+    eval_args=("--samples", "8", "--ks", "1"),
+    eval_overrides=_RT_TASK,
+    curve_keys=("loss/reward_mean", "samples/received"),
+    columns=(Column("eval/pass@1", "attack success (T=0.7)"),
+             Column("redteam/distinct_successes", "distinct successful attacks", "int"),
+             Column("redteam/success_diversity/self_bleu", "self-BLEU of successes", "float"),
+             Column("redteam/success_diversity/distinct_2", "distinct-2 of successes", "float"),
+             Column("redteam/diversity/self_bleu", "self-BLEU of all attacks", "float"),
+             Column("loss/reward_mean@mean", "mean reward trained on", "float"),
+             Column("samples/received@last", "samples generated", "int")),
+    plots=(Plot("bar", "redteam/distinct_successes", title="Distinct successful attacks of the "
+                "final attacker (320 samples)", ylabel="distinct successful attacks"),
+           Plot("curve", "loss/reward_mean", title="Reward of the trained-on samples",
+                ylabel="mean P(toxic)", xlabel="learner step")),
+    prepare=prepare_redteam,
+)
+
+EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (TOPR, ALOL, TBA, REDTEAM)}
 """Every experiment `run.py` knows, in the order `run.py all` runs them."""

@@ -187,7 +187,8 @@ def sample_pool(data_dir: Path, spec: PoolSpec, *, force: bool = False) -> Path:
 def preprocess(path: Path) -> Path:
     """`hpc-tba preprocess`: log μ = log π_ref under the starting model and A = R − V(x)."""
     hpc = Path(sys.executable).parent / "hpc-tba"
-    _check_call([str(hpc), "preprocess", "task=offline", f"task.path={path}"],
+    # At the temperature the arms train at (fidelity_offline: searcher.temperature=1.0).
+    _check_call([str(hpc), "preprocess", "+experiment=fidelity_offline", f"task.path={path}"],
                 path.with_suffix(".preprocess.log"))
     return preprocessed_path(path)
 

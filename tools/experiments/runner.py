@@ -144,7 +144,7 @@ class Experiment:
     """What the experiment asks and how it is set up (Markdown; opens its section of the report)."""
     arms: tuple[Arm, ...]
     common: tuple[str, ...] = ()
-    """Overrides of every training run, before the arm's own."""
+    """Overrides of every training run, before the arm's own (`{var}` filled as in the arms')."""
     quick: tuple[str, ...] = ()
     """Extra training overrides under --quick (a smoke run: few steps)."""
     seed_overrides: tuple[str, ...] = ("learner.seed={seed}", "searcher.seed={seed}")
@@ -242,11 +242,13 @@ def plan(exp: Experiment, *, seeds: int, quick: bool, root: Path, vars: Mapping[
                 continue
             vals = {**vars, "seed": str(seed)}
             own = [fill(o, vals, f"{exp.name}/{arm.name}") for o in arm.overrides]
+            common = [fill(o, vals, f"{exp.name}.common") for o in exp.common]
+            eval_ov = [fill(o, vals, f"{exp.name}.eval_overrides") for o in exp.eval_overrides]
             seed_ov = [fill(o, vals, f"{exp.name}.seed_overrides") for o in exp.seed_overrides]
             run_dir = root / exp.name / arm.name / f"seed{seed}"
             train_cmd = None
             if arm.train:
-                train_cmd = (hpc_tba, "train", *exp.common, *own, *(exp.quick if quick else ()),
+                train_cmd = (hpc_tba, "train", *common, *own, *(exp.quick if quick else ()),
                              *seed_ov, f"run_dir={run_dir}")
             eval_cmd = None
             if exp.eval_args is not None:
@@ -254,7 +256,7 @@ def plan(exp: Experiment, *, seeds: int, quick: bool, root: Path, vars: Mapping[
                 eval_seed = [o for o in seed_ov if o.startswith("searcher.")]
                 eval_cmd = (hpc_tba, "eval", *model, "--out", str(run_dir / "eval"),
                             *exp.eval_args, *(exp.quick_eval_args if quick else ()),
-                            *exp.eval_overrides, *(() if arm.train else own), *eval_seed)
+                            *eval_ov, *(() if arm.train else own), *eval_seed)
             specs.append(RunSpec(arm, seed, run_dir, train_cmd, eval_cmd))
     return specs
 
