@@ -38,6 +38,9 @@ def load_causal_lm(path: str, *, dtype: torch.dtype, zero3_config: dict | None, 
     # accelerator without fp16 (the CPU accelerator on CPUs without mkldnn fp16).
     with _no_init_weights(), deepspeed.zero.Init(config_dict_or_path=_with_precision(zero3_config, dtype)):
         model = _from_config(path, config, dtype)
+        # no_init_weights also skips tying; untied, a tied head would be a second matrix that
+        # trains apart from the embedding (and that vLLM, which ties it, never receives)
+        model.tie_weights()
     check_dtype(model, dtype, where=path)
     with Checkpoint(path) as ckpt:
         plan = plan_load(model, ckpt)  # every rank, from headers only: errors before any collective

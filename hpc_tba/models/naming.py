@@ -44,8 +44,19 @@ def _engine_name_map(model_path: str) -> dict[str, str]:
 
     config = model_config(model_path)
     check_causal_lm(model_path, config)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except AssertionError:
+        # vLLM's Transformers backend (GPT-NeoX, Phi, OLMo ...) decorates transformers' decoder
+        # class in place once an engine of it was built in this process; that class then wants
+        # a vLLM config to be constructed at all
+        from vllm.config import CompilationConfig, VllmConfig, set_current_vllm_config
+        from vllm.config.compilation import CompilationMode
+
+        no_compile = VllmConfig(compilation_config=CompilationConfig(mode=CompilationMode.NONE))
+        with set_current_vllm_config(no_compile), torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
     return model_to_checkpoint_names(model, [n for n, _ in model.named_parameters()])
 
 
