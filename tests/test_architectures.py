@@ -218,3 +218,22 @@ def test_engine_names_follow_transformers_checkpoint_names(tmp_path):
     assert neox([("lm_head.weight", w), ("gpt_neox.embed_in.weight", w)]) == [
         ("embed_out.weight", w), ("gpt_neox.embed_in.weight", w)]
     assert EngineNames(str(build_stand_in(tmp_path / "gpt2", "gpt2", layout="hub"))).mapping == {}
+
+
+def test_every_layout_plans_every_parameter_under_transformers_names(models):
+    """The same plan on every rank, from headers: hub names mapped as transformers maps them."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hpc_tba.models.checkpoint_keys import Checkpoint, plan_load
+
+    for (arch, layout), path in models.items():
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+        with Checkpoint(path) as ckpt:
+            plan = plan_load(model, ckpt)
+        assert set(plan.params) == {n for n, _ in model.named_parameters()}, (arch, layout)
+        if arch == "gpt2" and layout == "hub":
+            assert plan.params["transformer.h.0.attn.c_attn.weight"] == "h.0.attn.c_attn.weight"
+            assert "lm_head.weight" not in plan.params  # tied: one tensor, the embedding's
+        if arch == "gpt_neox":
+            assert plan.params["lm_head.weight"] == "embed_out.weight"
