@@ -237,3 +237,21 @@ def test_every_layout_plans_every_parameter_under_transformers_names(models):
             assert "lm_head.weight" not in plan.params  # tied: one tensor, the embedding's
         if arch == "gpt_neox":
             assert plan.params["lm_head.weight"] == "embed_out.weight"
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "phi", "gpt_neox"])
+def test_the_learners_model_has_no_dropout(arch, tmp_path):
+    """In train mode (the learner's) two forwards agree: GPT-2's hub config has dropout 0.1, which
+    made the learner's log-probs noisy and the sync probe 0.5-0.75 away from the engine."""
+    import json
+
+    from hpc_tba.models.loading import load_causal_lm
+
+    path = build_stand_in(tmp_path / "m", arch)
+    cfg = json.loads((path / "config.json").read_text())
+    drop = {k: 0.1 for k in cfg if "dropout" in k or k.endswith("pdrop")}
+    assert drop, cfg  # the stand-in has dropout fields to switch off
+    (path / "config.json").write_text(json.dumps({**cfg, **drop}))
+    model = load_causal_lm(str(path), dtype=torch.float32, zero3_config=None, rank=0).train()
+    ids = torch.tensor([PROMPT + RESPONSE])
+    assert torch.equal(model(ids).logits, model(ids).logits)

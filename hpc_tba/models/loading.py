@@ -23,11 +23,17 @@ __all__ = ["ModelLoadError", "check_dtype", "load_causal_lm"]
 
 
 def load_causal_lm(path: str, *, dtype: torch.dtype, zero3_config: dict | None, rank: int):
-    """The model at `path`; under ZeRO-3 (a DeepSpeed config dict) partitioned as it is built."""
-    config = model_config(path)
+    """The model at `path`; under ZeRO-3 (a DeepSpeed config dict) partitioned as it is built.
+
+    Dropout is switched off: the learner's log-probs must be those of the policy the engines
+    sample from (no dropout in vLLM), or every ratio and TB residual carries dropout noise and the
+    sync probe cannot agree (GPT-2's hub config has 0.1 everywhere; issue 19's GPT-2 gap).
+    """
+    config = without_dropout(model_config(path))
     if zero3_config is None:
         model = _from_pretrained(path, config, dtype)
         check_dtype(model, dtype, where=path)
+        _no_dropout_left(model, path)
         return model
     import deepspeed
 
@@ -42,6 +48,7 @@ def load_causal_lm(path: str, *, dtype: torch.dtype, zero3_config: dict | None, 
         # trains apart from the embedding (and that vLLM, which ties it, never receives)
         model.tie_weights()
     check_dtype(model, dtype, where=path)
+    _no_dropout_left(model, path)
     with Checkpoint(path) as ckpt:
         plan = plan_load(model, ckpt)  # every rank, from headers only: errors before any collective
         for name, param in model.named_parameters():
@@ -52,6 +59,23 @@ def load_causal_lm(path: str, *, dtype: torch.dtype, zero3_config: dict | None, 
         for name, key in plan.buffers.items():  # not partitioned: every rank loads its copy
             buffers[name].copy_(ckpt.tensor(key).to(buffers[name].dtype))
     return model
+
+
+def without_dropout(config):
+    """`config` with every dropout probability 0 (`*dropout*`, GPT-2's `*_pdrop`), nested ones too."""
+    for name, value in list(vars(config).items()):
+        if isinstance(value, float) and ("dropout" in name or name.endswith("pdrop")):
+            setattr(config, name, 0.0)
+        elif hasattr(value, "to_dict") and hasattr(value, "model_type"):  # a sub-config
+            without_dropout(value)
+    return config
+
+
+def _no_dropout_left(model: torch.nn.Module, where: str) -> None:
+    left = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
+    if left:
+        raise ModelLoadError(f"{where}: dropout still active in {left[:3]} after the config's dropout "
+                             "fields were zeroed; this architecture names its dropout differently")
 
 
 def _from_config(path: str, config, dtype: torch.dtype):
