@@ -41,14 +41,18 @@ PAPER = {  # dotted field -> the paper's value
 }
 
 
-def _needs_chat_template(preset: str) -> None:
-    """The tba presets set task.chat_template, a field of the `tasks` branch (issue 19)."""
+TASK_FIELDS = {"tba_8b": "chat_template", "tba_70b": "chat_template", "topr_offline": "reward_range"}
+"""Presets that set a task field the `tasks` branch adds (issue 19): composed once it is merged."""
+
+
+def _needs_task_fields(preset: str) -> None:
     import dataclasses
 
     from hpc_tba.tasks import TaskConfig
 
-    if preset.startswith("tba_") and "chat_template" not in {f.name for f in dataclasses.fields(TaskConfig)}:
-        pytest.skip("task.chat_template is not in this tree's TaskConfig yet (the tasks branch adds it)")
+    field = TASK_FIELDS.get(preset)
+    if field and field not in {f.name for f in dataclasses.fields(TaskConfig)}:
+        pytest.skip(f"task.{field} is not in this tree's TaskConfig yet (the tasks branch adds it)")
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +69,7 @@ def _get(cfg, dotted: str):
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_preset_composes_with_its_papers_values_and_plans(preset, stand_ins):
-    _needs_chat_template(preset)
+    _needs_task_fields(preset)
     cfg = compose([f"+experiment={preset}", f"model.path={stand_ins[PRESETS[preset]]}"])
     assert cfg.name == preset
     assert cfg.model.path == stand_ins[PRESETS[preset]]
@@ -79,8 +83,8 @@ def test_preset_composes_with_its_papers_values_and_plans(preset, stand_ins):
 
 def test_presets_point_at_local_paths():
     for preset in PRESETS:
-        if preset.startswith("tba_"):  # composed (with the tasks branch) in the test above
-            continue
+        if preset in TASK_FIELDS and TASK_FIELDS[preset] not in compose([]).task.__dataclass_fields__:
+            continue  # composed once the tasks branch is in (the test above says so)
         cfg = compose([f"+experiment={preset}"])
         paths = [cfg.model.path, cfg.task.path, cfg.task.reward_model, cfg.task.victim_model]
         assert all(p == "" or p.startswith("/shared/") for p in paths), (preset, paths)
@@ -122,6 +126,7 @@ def test_gsm8k_rho1b_runs_a_few_steps_with_a_tiny_llama(stand_ins, tmp_path):
 
 
 def test_topr_offline_runs_a_few_steps_with_a_tiny_llama(stand_ins, tmp_path):
+    _needs_task_fields("topr_offline")
     rows = [{"prompt": f"{a}+{b}=", "response": str(a + b + (i % 2)), "reward": 1.0 if i % 2 == 0 else -1.0}
             for i, (a, b) in enumerate((a, b) for a in range(6) for b in range(6))]
     data = tmp_path / "topr.jsonl"
