@@ -106,11 +106,13 @@ def model_spec(cfg: RunConfig, arch: str | None = None) -> ModelSpec:
     config_json = Path(m.path) / "config.json"
     if config_json.is_file():
         hf = json.loads(config_json.read_text())
-        return ModelSpec(Path(m.path).name, hf["vocab_size"], hf["hidden_size"],
-                         hf["intermediate_size"], hf["num_hidden_layers"],
-                         hf["num_attention_heads"],
-                         hf.get("num_key_value_heads", hf["num_attention_heads"]),
-                         tie_embeddings=hf.get("tie_word_embeddings", False))
+        # GPT-2's config.json spells the sizes n_embd / n_layer / n_head / n_inner (None = 4 x width)
+        width, heads = hf.get("hidden_size", hf.get("n_embd")), hf.get("num_attention_heads", hf.get("n_head"))
+        return ModelSpec(Path(m.path).name, hf["vocab_size"], width,
+                         hf.get("intermediate_size") or hf.get("n_inner") or 4 * width,
+                         hf.get("num_hidden_layers", hf.get("n_layer")), heads,
+                         hf.get("num_key_value_heads") or heads,
+                         tie_embeddings=hf.get("tie_word_embeddings", hf.get("model_type") == "gpt2"))
     key = Path(m.path).name.lower().replace("meta-", "")
     for name, spec in KNOWN_MODELS.items():
         if name in key:

@@ -84,8 +84,11 @@ class VLLMEngine:
     def __init__(self, model_path: str, cfg: SearcherConfig, *, seed: int, device: str = "cpu"):
         from vllm import LLM
 
+        from hpc_tba.models.naming import EngineNames
+
         self.cfg = cfg
         self.version = 0
+        self.engine_names = EngineNames(model_path)  # learner names -> vLLM loader's names
         self.in_process = not cfg.engine_process
         self.channel, self._watchdog = None, None
         self._shm_ident: str | None = None  # CPU tensor parallelism: vLLM's shared-memory prefix
@@ -258,9 +261,13 @@ class VLLMEngine:
         """Replace the weights in place (Hugging Face names) and adopt `version`."""
         if version < self.version:
             raise ValueError(f"weight version went backwards: {self.version} -> {version}")
+        named_tensors = self.engine_names(named_tensors)
         with self._engine_errors():
             if self.in_process:
+                from hpc_tba.models.naming import refresh_tied_heads
+
                 self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors})
+                self.llm.apply_model(refresh_tied_heads)  # a tied head's CPU copy is stale otherwise
             else:  # through the per-engine channel into the workers (worker_ext.py)
                 self.channel.send(named_tensors)
             self.llm.reset_prefix_cache()

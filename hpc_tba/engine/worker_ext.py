@@ -211,6 +211,11 @@ class WeightHopExtension:
                 loaded[0] += off
 
         self.reload_weights(weights_iterator=tensors())
+        from hpc_tba.models.naming import refresh_tied_heads
+
+        runner = getattr(self, "model_runner", None)  # a vLLM worker has one (test doubles may not)
+        if runner is not None:
+            refresh_tied_heads(runner.get_model())  # a tied head's CPU copy is stale otherwise
         if ipc is not None:
             torch.cuda.synchronize()  # every read of the sender's buffer has finished
         return loaded[0]

@@ -1,71 +1,107 @@
 """Loading a Hugging Face causal LM for the learner, sharded at construction under ZeRO-3.
 
 With ZeRO-3 the model is built under `deepspeed.zero.Init`, so each rank allocates only its
-shard of every parameter (a 70B model never exists whole in one process), and the checkpoint's
-safetensors are streamed in one tensor at a time: learner rank 0 reads a tensor lazily and
-DeepSpeed scatters it to the owners (`GatheredParameters(modifier_rank=0)`). This is what
-transformers' own DeepSpeed integration does, without requiring `accelerate`.
+shard of every parameter (a 70B model never exists whole in one process), and the checkpoint is
+streamed in one tensor at a time: learner rank 0 reads a tensor lazily (safetensors, or a
+`.bin` memory-mapped through `torch.load(weights_only=True)`, never a pickle that runs code) and
+DeepSpeed scatters it to the owners (`GatheredParameters(modifier_rank=0)`).
+
+transformers' own ZeRO-3 path merges the whole state dict on every rank first; this one does
+not, but it names tensors exactly as transformers does (`models.checkpoint_keys`: the model's
+conversion mapping, legacy renames, base-model prefix), so any checkpoint `from_pretrained`
+accepts for a causal LM loads here. Every rank plans the load from the checkpoint's index and
+headers alone (no tensor data), so a missing tensor or a shape mismatch is found before the first
+collective, by every rank at once, and reported as one `ModelLoadError`.
 """
 from __future__ import annotations
 
-import json
-import os
-
 import torch
 
+from hpc_tba.models.checkpoint_keys import Checkpoint, ModelLoadError, check_causal_lm, model_config, plan_load
 
-def _tensor_index(path: str) -> dict[str, str]:
-    """Parameter name -> safetensors file holding it."""
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            return {k: os.path.join(path, v) for k, v in json.load(f)["weight_map"].items()}
-    single = os.path.join(path, "model.safetensors")
-    if not os.path.isfile(single):
-        raise FileNotFoundError(f"{path} has no model.safetensors (or index): only safetensors "
-                                "checkpoints are loaded (no pickle)")
-    from safetensors import safe_open
-
-    with safe_open(single, "pt") as f:
-        return {k: single for k in f.keys()}
+__all__ = ["ModelLoadError", "check_dtype", "load_causal_lm"]
 
 
 def load_causal_lm(path: str, *, dtype: torch.dtype, zero3_config: dict | None, rank: int):
-    """The model at `path`; under ZeRO-3 (a DeepSpeed config dict) partitioned as it is built."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """The model at `path`; under ZeRO-3 (a DeepSpeed config dict) partitioned as it is built.
 
+    Dropout is switched off: the learner's log-probs must be those of the policy the engines
+    sample from (no dropout in vLLM), or every ratio and TB residual carries dropout noise and the
+    sync probe cannot agree (GPT-2's hub config has 0.1 everywhere; issue 19's GPT-2 gap).
+    """
+    config = without_dropout(model_config(path))
     if zero3_config is None:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        model = _from_pretrained(path, config, dtype)
         check_dtype(model, dtype, where=path)
+        _no_dropout_left(model, path)
         return model
     import deepspeed
-    from safetensors import safe_open
 
-    config = AutoConfig.from_pretrained(path)
     # Random init of empty shards is wasted work (every tensor is loaded next) and transformers'
     # initialisers index into parameters that are partitioned away, so it is switched off.
     # The dtype travels in the DeepSpeed config, not as zero.Init's `dtype`: DeepSpeed 0.19's
     # `dtype or fp16 if fp16_supported else bf16 if ...` makes an explicit fp32 bf16 on every
     # accelerator without fp16 (the CPU accelerator on CPUs without mkldnn fp16).
     with _no_init_weights(), deepspeed.zero.Init(config_dict_or_path=_with_precision(zero3_config, dtype)):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = _from_config(path, config, dtype)
+        # no_init_weights also skips tying; untied, a tied head would be a second matrix that
+        # trains apart from the embedding (and that vLLM, which ties it, never receives)
+        model.tie_weights()
     check_dtype(model, dtype, where=path)
-    where = _tensor_index(path) if rank == 0 else {}
-    handles: dict[str, object] = {}
-    try:
+    _no_dropout_left(model, path)
+    with Checkpoint(path) as ckpt:
+        plan = plan_load(model, ckpt)  # every rank, from headers only: errors before any collective
         for name, param in model.named_parameters():
             with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
-                if rank != 0:
-                    continue
-                key = name if name in where else _tied_source(name, where, config)
-                f = handles.get(where[key]) or handles.setdefault(where[key], safe_open(where[key], "pt"))
-                tensor = f.get_tensor(key)
-                if tuple(tensor.shape) != tuple(param.shape):
-                    raise ValueError(f"{path}: {key} has shape {tuple(tensor.shape)}, the model "
-                                     f"expects {tuple(param.shape)}")
-                param.data.copy_(tensor.to(dtype))
-    finally:
-        handles.clear()
+                if rank == 0:
+                    param.data.copy_(ckpt.tensor(plan.params[name]).to(dtype))
+        buffers = dict(model.named_buffers())
+        for name, key in plan.buffers.items():  # not partitioned: every rank loads its copy
+            buffers[name].copy_(ckpt.tensor(key).to(buffers[name].dtype))
+    return model
+
+
+def without_dropout(config):
+    """`config` with every dropout probability 0 (`*dropout*`, GPT-2's `*_pdrop`), nested ones too."""
+    for name, value in list(vars(config).items()):
+        if isinstance(value, float) and ("dropout" in name or name.endswith("pdrop")):
+            setattr(config, name, 0.0)
+        elif hasattr(value, "to_dict") and hasattr(value, "model_type"):  # a sub-config
+            without_dropout(value)
+    return config
+
+
+def _no_dropout_left(model: torch.nn.Module, where: str) -> None:
+    left = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
+    if left:
+        raise ModelLoadError(f"{where}: dropout still active in {left[:3]} after the config's dropout "
+                             "fields were zeroed; this architecture names its dropout differently")
+
+
+def _from_config(path: str, config, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    check_causal_lm(path, config)
+    return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
+def _from_pretrained(path: str, config, dtype: torch.dtype):
+    """transformers' own loader, with a missing or mismatched tensor an error (not a random init)."""
+    from transformers import AutoModelForCausalLM
+
+    check_causal_lm(path, config)
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype,
+                                                           output_loading_info=True)
+    except (ValueError, OSError, RuntimeError) as e:
+        raise ModelLoadError(f"{path}: {str(e).strip().splitlines()[0]}") from e
+    tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
+    missing = sorted(set(info.get("missing_keys", ())) - tied)
+    if missing:
+        raise ModelLoadError(f"{path}: the checkpoint has no tensor for {len(missing)} parameter(s) of "
+                             f"{type(model).__name__}, first {missing[:3]}")
+    if info.get("mismatched_keys"):
+        raise ModelLoadError(f"{path}: tensors with the wrong shape: {sorted(info['mismatched_keys'])[:3]}")
     return model
 
 
@@ -94,12 +130,3 @@ def _no_init_weights():
     except ImportError:  # transformers 4.x
         from transformers.modeling_utils import no_init_weights
     return no_init_weights()
-
-
-def _tied_source(name: str, where: dict[str, str], config) -> str:
-    """A tied output embedding is stored once, as the input embedding."""
-    if name == "lm_head.weight" and getattr(config, "tie_word_embeddings", False):
-        for key in ("model.embed_tokens.weight", "transformer.wte.weight"):
-            if key in where:
-                return key
-    raise KeyError(f"checkpoint has no tensor {name!r}")
