@@ -23,15 +23,37 @@ always implies the second):
   searcher, so those signals are blocked while the children start, and stay blocked in them.
 
 After each update the prefix cache is reset so no KV computed with old weights is reused.
+
+In-flight updates (`searcher.update=in_flight`, `sample(..., weights_ready=, apply=)`): instead
+of `LLM.generate` the engine drives vLLM's `LLMEngine` itself (add_request, then a `step()` loop;
+every one of the n samples of a prompt is its own request). Between two steps, when
+`weights_ready()` says a new version is staged, the requests still running are aborted, `apply()`
+loads the new version in place (`load_weights`, which resets the prefix cache: nothing is
+running, so no block is kept), and each aborted request is added again as its continuation (its
+prompt plus the tokens generated so far, the remaining token budget). The continuation's prefix
+is prefilled under the new weights, so every later token is sampled from exactly the new
+version's distribution given the whole prefix: each token is stamped with the version that
+produced it, and its behaviour log-prob is that version's log-prob of it, exactly (what a learner
+scoring the sequence with that version's weights computes). Cost: one prefill of the running
+sequences per update. A stop string that straddles the switch is not seen (the continuation's
+stop check starts at the switch); EOS and token budgets are exact. Async scheduling is switched
+off in that mode so that a step's tokens all come from the weights loaded before it. The same
+loop runs on an out-of-process engine (its `LLMEngine` is a client of the EngineCore process,
+and `apply()` reaches the workers through the channel between two steps).
+
+Engine settings from the config: CUDA graphs on GPUs unless `searcher.enforce_eager` (None: eager
+on CPU only), `searcher.stop` strings (kept in the response), and `prompt_fits` for prompts too
+long for `max_model_len - max_new_tokens` (the searcher skips and counts them; vLLM would raise).
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import glob
+import itertools
 import os
 import signal
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -45,6 +67,7 @@ class Sample:
 
     tokens: np.ndarray  # [T] int32
     logp: np.ndarray  # [T] float32, log-probs of the sampled tokens under logits / temperature
+    versions: np.ndarray | None = None  # [T] int64 version that produced each token (in flight)
 
 
 def configure_cpu_env(*, core: int | None, kv_cache_mb: int) -> None:
@@ -66,9 +89,14 @@ class VLLMEngine:
         self.in_process = not cfg.engine_process
         self.channel, self._watchdog = None, None
         self._shm_ident: str | None = None  # CPU tensor parallelism: vLLM's shared-memory prefix
+        self._request_ids = itertools.count()
+        self.updates_in_flight = 0  # versions applied while requests were running
+        eager = cfg.enforce_eager if cfg.enforce_eager is not None else device == "cpu"
         kwargs = dict(model=model_path, dtype=cfg.dtype, seed=seed, max_model_len=cfg.max_model_len,
-                      enforce_eager=True, logprobs_mode="processed_logprobs",
+                      enforce_eager=eager, logprobs_mode="processed_logprobs",
                       enable_prefix_caching=True, tensor_parallel_size=cfg.tensor_parallel_size)
+        if cfg.update == "in_flight":  # a step's tokens must come from the weights loaded before it
+            kwargs["async_scheduling"] = False
         if device == "cpu":
             kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_mb * 2**20
         else:
@@ -128,22 +156,75 @@ class VLLMEngine:
     def decode(self, tokens: Sequence[int]) -> str:
         return self.llm.get_tokenizer().decode(list(tokens), skip_special_tokens=True)
 
+    def prompt_fits(self, prompt: Sequence[int]) -> bool:
+        """Whether a prompt leaves room for max_new_tokens within max_model_len (vLLM rejects
+        longer ones inside generate)."""
+        return len(prompt) <= self.cfg.max_model_len - self.cfg.max_new_tokens
+
     def sample(self, prompts: Sequence[Sequence[int]], *, n: int, temperature: float,
-               max_tokens: int, seed: int | None = None) -> list[list[Sample]]:
-        """n samples for each prompt (token ids), each with its per-token log-probs."""
+               max_tokens: int, seed: int | None = None,
+               weights_ready: Callable[[], bool] | None = None,
+               apply: Callable[[], None] | None = None) -> list[list[Sample]]:
+        """n samples for each prompt (token ids), each with its per-token log-probs.
+
+        With `weights_ready` and `apply`, new weights are applied between decode steps (module
+        docstring) and every Sample carries per-token `versions`.
+        """
         from vllm import SamplingParams
 
+        if weights_ready is not None:
+            if apply is None:
+                raise ValueError("VLLMEngine.sample: in-flight updates need both weights_ready and apply")
+            return self._sample_in_flight(prompts, n=n, temperature=temperature, max_tokens=max_tokens,
+                                          weights_ready=weights_ready, apply=apply)
         params = SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, logprobs=0,
-                                seed=seed)
+                                seed=seed, **self._stop_kwargs())
         with self._engine_errors():
             outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params,
                                      use_tqdm=False)
         return [[self._sample(c) for c in o.outputs] for o in outs]
 
+    def _stop_kwargs(self) -> dict:
+        return {"stop": list(self.cfg.stop), "include_stop_str_in_output": True} if self.cfg.stop else {}
+
+    def _sample_in_flight(self, prompts: Sequence[Sequence[int]], *, n: int, temperature: float,
+                          max_tokens: int, weights_ready: Callable[[], bool],
+                          apply: Callable[[], None]) -> list[list[Sample]]:
+        from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+        engine = self.llm.llm_engine
+        if engine.has_unfinished_requests():
+            raise RuntimeError("VLLMEngine: in-flight sampling needs an idle engine")
+        runs: dict[str, _Run] = {}
+
+        def add(run: _Run) -> None:
+            params = SamplingParams(n=1, temperature=temperature, logprobs=0,
+                                    max_tokens=max_tokens - len(run.tokens),
+                                    output_kind=RequestOutputKind.DELTA, **self._stop_kwargs())
+            rid = f"hpc{next(self._request_ids)}"
+            runs[rid] = run
+            engine.add_request(rid, {"prompt_token_ids": list(run.prompt) + run.tokens}, params)
+
+        order = [_Run(list(p)) for p in prompts for _ in range(n)]
+        with self._engine_errors():
+            for run in order:
+                add(run)
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    runs[out.request_id].extend(out.outputs[0], self.version, finished=out.finished)
+                running = [rid for rid, r in runs.items() if not r.finished]
+                if running and weights_ready():
+                    engine.abort_request(running)
+                    apply()  # load_weights: new version, prefix cache reset (nothing is running)
+                    self.updates_in_flight += 1
+                    for rid in running:
+                        add(runs.pop(rid))
+        return [[order[i * n + j].sample() for j in range(n)] for i in range(len(prompts))]
+
     def greedy(self, prompts: Sequence[Sequence[int]], *, max_tokens: int) -> list[list[int]]:
         from vllm import SamplingParams
 
-        params = SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens)
+        params = SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens, **self._stop_kwargs())
         with self._engine_errors():
             outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params,
                                      use_tqdm=False)
@@ -203,6 +284,29 @@ class VLLMEngine:
             for leftover in glob.glob(f"/dev/shm/{glob.escape(ident)}-*-cpushm*"):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(leftover)
+
+
+@dataclasses.dataclass
+class _Run:
+    """One in-flight sample: its prompt and what it generated so far, token by token."""
+
+    prompt: list[int]
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logp: list[float] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)
+    finished: bool = False
+
+    def extend(self, completion, version: int, *, finished: bool) -> None:
+        """Append a step's new tokens (a DELTA output), stamped with the engine's version."""
+        new = list(completion.token_ids)
+        self.tokens += new
+        self.logp += [step[t].logprob for step, t in zip(completion.logprobs, new)]
+        self.versions += [version] * len(new)
+        self.finished = finished
+
+    def sample(self) -> Sample:
+        return Sample(np.asarray(self.tokens, dtype=np.int32), np.asarray(self.logp, dtype=np.float32),
+                      np.asarray(self.versions, dtype=np.int64))
 
 
 class _EngineWatchdog:

@@ -138,7 +138,7 @@ def _probe(cfg: RunConfig, model_path: str) -> tuple[list[int], list[int]]:
 
 
 def _searcher(cfg: RunConfig, transport, topo: Topology, groups, model_path: str, task):
-    from hpc_tba.comm.weight_sync import Manifest, WeightReceiver
+    from hpc_tba.comm.weight_sync import Manifest, WeightReceiver, resolve_staging
     from hpc_tba.engine.vllm_engine import VLLMEngine, configure_cpu_env
     from hpc_tba.roles.searcher import Searcher
 
@@ -156,7 +156,9 @@ def _searcher(cfg: RunConfig, transport, topo: Topology, groups, model_path: str
 
     engine = engine_factory()
     setup = transport.bcast_json(None)
-    receiver = WeightReceiver(Manifest.from_json(setup["manifest"]), groups.sync_group, device=device)
+    manifest = Manifest.from_json(setup["manifest"])  # staging resolved once the engine holds its memory
+    receiver = WeightReceiver(manifest, groups.sync_group, device=device,
+                              staging=resolve_staging(cfg.searcher.staging, device, manifest))
     quota = None
     if cfg.learner.mode == "sync":  # one on-policy batch per version: G prompts for every shard
         quota = topo.on_policy_quota(index, cfg.learner.prompts_per_step)

@@ -111,6 +111,10 @@ class SearcherConfig:
     """Where a received weight version waits for the engine: device (one version in the engine's
     dtype on its GPU), host (pinned host memory), stream (bucket by bucket straight into the
     engine), or auto (device when the plan says it fits, else host; host on CPU)."""
+    max_version_span: int = 0
+    """in_flight: most weight versions one response may carry; a response whose tokens come from
+    more versions is dropped (counted in searcher/dropped_version_span). 0: no cap (keep all:
+    the behaviour log-prob of every token is exact for the version stamped on it)."""
     stop: list[str] = dataclasses.field(default_factory=list)
     """Stop strings ending a response besides the tokenizer's EOS (the stop string is kept)."""
     enforce_eager: bool | None = None
@@ -147,8 +151,14 @@ class SearcherConfig:
             raise ValueError(f"searcher.update={self.update!r} must be between_rounds or in_flight")
         if self.staging not in ("auto", "device", "host", "stream"):
             raise ValueError(f"searcher.staging={self.staging!r} must be auto, device, host or stream")
+        if self.max_version_span < 0:
+            raise ValueError(f"searcher.max_version_span={self.max_version_span} must be >= 0 (0: no cap)")
         if self.tensor_parallel_size > 1:
             self.engine_process = True  # tensor-parallel workers always live in other processes
+        if self.staging == "stream" and self.engine_process:
+            raise ValueError("searcher.staging=stream loads buckets straight into an in-process "
+                             "engine; with engine_process=true (or tensor_parallel_size > 1) use "
+                             "staging=device, host or auto")
 
 
 def resolve_wire_dtype(learner: LearnerConfig, searcher: SearcherConfig) -> str:

@@ -1,7 +1,9 @@
 """The searcher role: a vLLM engine that never stops generating.
 
-Loop (`run`): apply the newest weights that arrived (between rounds only, so one sample never
-mixes two versions), evaluate on the held-out slice when the learner asked for it, generate S
+Loop (`run`): apply the newest weights that arrived (`searcher.update=between_rounds`: between
+rounds only, so one sample never mixes two versions; `in_flight`: also between decode steps of a
+round, every token stamped with the version that produced it, see below), evaluate on the
+held-out slice when the learner asked for it, generate S
 samples for each of the next prompts of this searcher's slice, score them, and send each prompt's
 samples, stamped with the engine's version, to the buffer shard that owns the prompt. Sends are
 non-blocking and overlap the next round. On STOP it finishes the round, flushes its sends and
@@ -14,6 +16,20 @@ Prompt cursors (the shuffled order of the slice still to visit, and the RNG) are
 `<run_dir>/searchers/searcher<i>.json` at the start of every round, before the round's prompts
 are picked; a resumed run continues from there, so no prompt of a pass is skipped across a
 restart (the prompts of a round cut short are generated again).
+
+Prompts longer than `max_model_len - max_new_tokens` are skipped before generation and counted
+(`searcher/skipped_long_prompts`): vLLM would reject them, and the engine is never rebuilt for it.
+
+In-flight updates and what a mixed-version response means for each loss: every token carries the
+version that produced it and its behaviour log-prob is exact under that version (the engine
+re-prefills running sequences under the new weights, engine/vllm_engine.py), so
+- TB and TOPR, which need only log pi_behaviour(y_t | prefix) per token, stay exact: the sample is
+  a draw from a mixture policy whose per-token log-probs we know.
+- GRPO/RLOO's importance ratio pi_theta / pi_behaviour is taken per token against those exact
+  behaviour log-probs, so it is the correct ratio for the policy that actually sampled each token.
+A batch's `policy_version` is the oldest version of its tokens, so the buffer's staleness is
+never understated. `searcher.max_version_span` caps the versions one response may span (0 keeps
+all; responses over the cap are dropped and counted in `searcher/dropped_version_span`).
 
 Each round logs where the searcher's time went (`util/generate`, `util/apply`, `util/eval`,
 `util/wait`; roles.logging.Timers).
@@ -36,7 +52,7 @@ from collections.abc import Callable
 import numpy as np
 
 from hpc_tba.comm.transport import MPITransport, Tag
-from hpc_tba.comm.weight_sync import WeightReceiver
+from hpc_tba.comm.weight_sync import StagedWeights, WeightReceiver
 from hpc_tba.engine.vllm_engine import VLLMEngine
 from hpc_tba.messages import TrajectoryBatch
 from hpc_tba.roles.config import SearcherConfig
@@ -54,7 +70,10 @@ class Searcher:
         self.engine_factory = engine_factory
         self.max_engine_restarts = max_engine_restarts
         self.restarts, self._failures_in_row = 0, 0
-        self._weights: tuple[int, list] | None = None  # newest applied (version, tensors)
+        self._await_weights = False  # a rebuilt engine with no staged copy to reload: wait
+        self.skipped_long = 0
+        self._pending_evals: list[int] = []  # versions to evaluate, taken with their weights
+        self.dropped_span = 0
         self._faults = {int(x) for x in os.environ.get("HPC_TBA_FAULT_ENGINE_ROUNDS", "").split(",") if x}
         self.transport, self.topo, self.index = transport, topo, index
         train = task.prompts("train")
@@ -116,9 +135,14 @@ class Searcher:
             self.engine.close()
         except Exception:
             pass
+        version = self.engine.version
         self.engine = self.engine_factory()
-        if self._weights is not None:
-            self.engine.load_weights(self._weights[1], self._weights[0])
+        if self.receiver is not None and version > 0:
+            with self.receiver.reading():
+                staged = self.receiver.current()
+                if staged is not None:  # the newest whole version staged (>= the one applied)
+                    self.engine.load_weights(staged.tensors, staged.version)
+            self._await_weights = self.engine.version < version  # none staged: wait for the next
         self.restarts += 1
         self.log.scalars(self.rounds, {"searcher/engine_restarts": self.restarts,
                                        "searcher/engine_restart_s": time.time() - t0,
@@ -127,20 +151,35 @@ class Searcher:
     def apply_weights(self) -> None:
         if self.receiver is None:
             return
-        staged, evals = self.receiver.take()
-        if staged is not None:
-            t0 = time.time()
-            with self.timers("apply"):
-                self.engine.load_weights(staged.tensors, staged.version)
-            self._weights = (staged.version, staged.tensors)
-            self.log.scalars(self.rounds, {"searcher/version": staged.version,
-                                           "searcher/weight_apply_s": time.time() - t0})
-            if self.probe is not None:
-                logp = self.engine.score(*self.probe, temperature=1.0)
-                self.transport.send_array(0, Tag.PROBE, np.concatenate([[staged.version], logp]))
-        for v in evals:  # evaluated with the newest weights, which are at least version v
+        while self._await_weights and not self.receiver.ready():
+            with self.timers("wait"):  # a rebuilt engine on the checkpoint's weights: not sampled
+                if self.receiver.wait_for(max(self.receiver.received_versions, default=0) + 1, 0.05):
+                    break
+                if self.receiver.stopped:
+                    return
+        version = self._load_newest()
+        self._await_weights = self._await_weights and version is None
+        for v in self._pending_evals:  # evaluated with the newest weights, which are at least v
             with self.timers("eval"):
                 self.evaluate(v)
+        self._pending_evals = []
+
+    def _load_newest(self) -> int | None:
+        """Load the newest version the receiver holds, if any (staged or streamed); returns it."""
+        t0 = time.time()
+        with self.timers("apply"), self.receiver.reading():
+            staged, evals = self.receiver.take()
+            self._pending_evals = self._pending_evals + evals
+            if staged is None:
+                return None
+            tensors = staged.tensors if isinstance(staged, StagedWeights) else staged.tensors()
+            self.engine.load_weights(tensors, staged.version)
+        self.log.scalars(self.rounds, {"searcher/version": staged.version,
+                                       "searcher/weight_apply_s": time.time() - t0})
+        if self.probe is not None:
+            logp = self.engine.score(*self.probe, temperature=1.0)
+            self.transport.send_array(0, Tag.PROBE, np.concatenate([[staged.version], logp]))
+        return staged.version
 
     def generate_round(self) -> None:
         with self.timers("generate"):
@@ -160,32 +199,61 @@ class Searcher:
         if self.rounds + 1 in self._faults:
             self._faults.discard(self.rounds + 1)
             raise RuntimeError(f"injected engine fault in round {self.rounds + 1}")
-        outs = self.engine.sample([self.tokens[i] for i in picks], n=self.cfg.samples_per_prompt,
-                                  temperature=self.cfg.temperature, max_tokens=self.cfg.max_new_tokens)
-        flat_prompts = [self.prompts[i] for i, o in zip(picks, outs) for _ in o]
+        fits = [i for i in picks if self.engine.prompt_fits(self.tokens[i])]
+        self.skipped_long += len(picks) - len(fits)
+        outs = self._sample([self.tokens[i] for i in fits]) if fits else []
+        flat_prompts = [self.prompts[i] for i, o in zip(fits, outs) for _ in o]
         texts = [self.engine.decode(s.tokens) for o in outs for s in o]
-        rewards, failed = self.task.rewards(flat_prompts, texts)
+        rewards, failed = self.task.rewards(flat_prompts, texts) if texts else (np.zeros(0, np.float32), 0)
         gen_s = time.time() - t0
-        off, n_tok = 0, 0
+        n_tok = self._send_round(fits, outs, rewards, version)
+        self.rounds += 1
+        self._generated_version = version
+        self.log.scalars(self.rounds, {
+            "searcher/skipped_long_prompts": self.skipped_long,
+            "searcher/dropped_version_span": self.dropped_span,
+            "searcher/updates_in_flight": self.engine.updates_in_flight,
+            "searcher/reward_mean": float(rewards.mean()) if rewards.size else 0.0,
+            "searcher/reward_failures": failed,
+            "searcher/gen_tokens_per_s": n_tok / max(gen_s, 1e-9),
+            "searcher/round_s": time.time() - t0, "searcher/version": version,
+            "searcher/sends_in_flight": self.transport.progress(), **self.timers.metrics()})
+
+    def _sample(self, prompts: list[list[int]]) -> list:
+        kw = dict(n=self.cfg.samples_per_prompt, temperature=self.cfg.temperature,
+                  max_tokens=self.cfg.max_new_tokens)
+        if self.cfg.update == "in_flight" and self.receiver is not None:
+            kw.update(weights_ready=self.receiver.ready, apply=self._load_newest)
+        return self.engine.sample(prompts, **kw)
+
+    def _send_round(self, picks: list[int], outs: list, rewards: np.ndarray, version: int) -> int:
+        """Send each prompt's samples to its shard; returns the tokens sent. In flight, a sample's
+        tokens carry their versions and the batch's policy_version is the oldest of them."""
+        off, n_tok, cap = 0, 0, self.cfg.max_version_span
         for i, samples in zip(picks, outs):
-            n = len(samples)
+            rew, off = rewards[off:off + len(samples)], off + len(samples)
+            if cap:
+                keep = [j for j, s in enumerate(samples)
+                        if s.versions is None or len(np.unique(s.versions)) <= cap]
+                self.dropped_span += len(samples) - len(keep)
+                samples, rew = [samples[j] for j in keep], rew[keep]
+            if not samples:
+                continue
+            versions = None
+            if samples[0].versions is not None:
+                versions = np.concatenate([s.versions for s in samples])
             batch = TrajectoryBatch(
                 prompt_id=self.prompts[i].id, prompt_tokens=np.asarray(self.tokens[i], np.int32),
                 response_tokens=np.concatenate([s.tokens for s in samples]),
                 lengths=np.array([len(s.tokens) for s in samples], np.int32),
-                rewards=rewards[off:off + n], logp_behavior=np.concatenate([s.logp for s in samples]),
-                policy_version=version, searcher_id=self.index, timestamp=time.time())
+                rewards=rew, logp_behavior=np.concatenate([s.logp for s in samples]),
+                policy_version=int(versions.min()) if versions is not None else version,
+                searcher_id=self.index, timestamp=time.time(),
+                token_versions=None if versions is None or (versions == versions[0]).all() else versions)
             self.transport.send_trajectory(self.topo.shard_of_prompt(batch.prompt_id), batch)
             self.sent += 1
-            off += n
             n_tok += int(batch.lengths.sum())
-        self.rounds += 1
-        self._generated_version = version
-        self.log.scalars(self.rounds, {
-            "searcher/reward_mean": float(rewards.mean()), "searcher/reward_failures": failed,
-            "searcher/gen_tokens_per_s": n_tok / max(gen_s, 1e-9),
-            "searcher/round_s": time.time() - t0, "searcher/version": version,
-            "searcher/sends_in_flight": self.transport.progress(), **self.timers.metrics()})
+        return n_tok
 
     def _next_prompts(self, pool: int | None, n: int) -> list[int]:
         """The next n prompts of a pool (this searcher's slice, or its part in one learner
