@@ -27,7 +27,8 @@ in the training dtype (a V per position), its fp32 log-softmax (4 V) and that te
 
 Weight staging of a searcher (the receiver's memory, comm/weight_sync.py): `device` keeps one
 whole version in the wire dtype (the engine's) on the engine's GPU plus the bucket being
-received; `host` keeps the version in pinned host memory and one bucket on the GPU; `stream`
+received; `host` keeps the version in pinned host memory and the bucket being received on the
+GPU (NCCL does not receive into host memory); `stream`
 loads each bucket into the engine as it arrives and holds two buckets on the GPU.
 """
 from __future__ import annotations
@@ -170,7 +171,7 @@ def staging_bytes(mode: str, *, version_bytes: int, bucket_bytes: int) -> Stagin
     if mode == "device":
         return Staging(mode, version_bytes + bucket_bytes, 0)
     if mode == "host":
-        return Staging(mode, bucket_bytes, version_bytes + bucket_bytes)
+        return Staging(mode, bucket_bytes, version_bytes)  # broadcasts land on the GPU (NCCL)
     if mode == "stream":
         return Staging(mode, 2 * bucket_bytes, 0)
     raise ValueError(f"searcher.staging={mode!r} is not device, host or stream")

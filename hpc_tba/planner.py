@@ -11,18 +11,21 @@ Learner, per rank, ZeRO-3 over N learner ranks (P parameters, bytes per paramete
   memory), a frozen reference [2|4] P/N when the loss needs one (`LossConfig.needs_reference`;
   its forward runs without gradients, before the policy's, so only its shards add up), gathered
   layers (the live layer, the prefetched one and the live layer's full gradient: 3 x largest
-  layer), the activations of one micro-batch of `learner.micro_batch_size` (0 = K) sequences of
-  up to `searcher.max_model_len` tokens (a prompt of at most max_model_len - max_new_tokens plus
-  a response of at most max_new_tokens), with or without `learner.gradient_checkpointing`, and
+  layer), ZeRO-3's flat gradient reduce bucket (reduce_bucket_size elements, at most P), the
+  activations of one micro-batch of `learner.micro_batch_size` (0 = K) sequences of up to
+  `searcher.max_model_len` tokens (a prompt of at most max_model_len - max_new_tokens plus a
+  response of at most max_new_tokens), with or without `learner.gradient_checkpointing`, and
   one chunk of logits (`learner.logprob_chunk_tokens` positions): see hpc_tba.memory for both
-  counts. Usable: 90% of the GPU (CUDA context, NCCL buffers, fragmentation).
+  counts. Learner rank 0 also holds the weight sender's two slots of the largest bucket. Usable:
+  90% of the GPU (CUDA context, NCCL buffers, fragmentation).
 Engine, per GPU: weights P x bytes / TP, a fixed runtime overhead, and the KV cache in what is
   left of gpu_memory_utilization x GPU; 2 x layers x kv_heads x head_dim x bytes per token / TP.
   Refused when the weights do not fit or the cache cannot hold one max_model_len sequence (vLLM
   refuses to start then); fewer concurrent sequences than a round asks for is only a warning.
 Weight staging, per searcher (`searcher.staging`, hpc_tba.memory.staging_bytes): outside vLLM's
-  share, i.e. in (usable - gpu_memory_utilization) x GPU, or in host memory per node. `auto`
-  resolves to device when the whole version fits there, else host.
+  share, i.e. in 90% of (1 - gpu_memory_utilization) x GPU, or in host memory per node. `auto`
+  resolves to device when the whole version fits there, else host (the receiver's own rule,
+  comm.weight_sync.resolve_staging, with the memory vLLM leaves).
 
 The ZeRO-3 model-state figure is printed next to DeepSpeed's own estimator
 (`estimate_zero3_model_states_mem_needs*`, which budgets 18 bytes/param and a 1.5x CPU factor).
@@ -151,8 +154,20 @@ def _model_states(plan: Plan, cfg: RunConfig, spec: ModelSpec, n: int) -> float:
                           pb * p / n * (not lr.offload_params), key="reference")
     else:
         plan.terms["reference"] = 0
-    return total + plan.row("gathered layers (live + prefetch + grad)",
-                            3 * spec.largest_layer_params * pb, key="gathered")
+    total += plan.row("gathered layers (live + prefetch + grad)", 3 * spec.largest_layer_params * pb,
+                      key="gathered")
+    # ZeRO-3 with contiguous gradients allocates one flat reduce bucket at initialize
+    bucket = min(_zero_option(cfg, "reduce_bucket_size", 500_000_000), p)
+    return total + plan.row("ZeRO-3 gradient reduce bucket", bucket * pb,
+                            f"{bucket:.3g} elements (zero_optimization.reduce_bucket_size)", key="reduce_bucket")
+
+
+def _zero_option(cfg: RunConfig, name: str, default: int) -> int:
+    """A zero_optimization setting of the learner's own DeepSpeed config, else DeepSpeed's default."""
+    from hpc_tba.roles.learner import deepspeed_config
+
+    ds = deepspeed_config(cfg.learner, micro_batch=micro_batch_of(cfg), train=True)
+    return int(ds["zero_optimization"].get(name, default))
 
 
 def _activations(plan: Plan, cfg: RunConfig, spec: ModelSpec) -> float:
@@ -185,6 +200,9 @@ def _learner(plan: Plan, cfg: RunConfig, spec: ModelSpec, opt: PlanOptions, gpus
                       f"checkpointing={lr.gradient_checkpointing}, offload optimizer="
                       f"{lr.offload_optimizer} params={lr.offload_params}):")
     total = _model_states(plan, cfg, spec, n) + _activations(plan, cfg, spec)
+    # learner rank 0 gathers into two flat slots of the largest bucket (WeightSender)
+    total += plan.row("weight-sync send slots (rank 0)", 2 * max(plan.buckets) * (c.num_searchers > 0),
+                      f"2 x the largest bucket (learner.sync_bucket_mb {lr.sync_bucket_mb:g})", key="send_slots")
     plan.learner_gib = total / GiB
     if gpus:
         plan.lines.append(f"    {'total':<44} {total / GiB:9.2f} GiB  of {capacity / GiB:.2f} "
@@ -289,16 +307,19 @@ def _engine(plan: Plan, cfg: RunConfig, spec: ModelSpec, gpus: int) -> None:
                              f"{seqs}: vLLM will queue the rest (throughput, not failure)")
 
 
-def _staging(plan: Plan, cfg: RunConfig, spec: ModelSpec, gpus: int) -> None:
-    """The searchers' weight staging (hpc_tba.memory.staging_bytes), outside vLLM's share."""
+def _wire(cfg: RunConfig) -> str:
     from hpc_tba.roles.config import resolve_wire_dtype
 
+    return resolve_wire_dtype(cfg.learner, cfg.searcher)
+
+
+def _staging(plan: Plan, cfg: RunConfig, spec: ModelSpec, gpus: int) -> None:
+    """The searchers' weight staging (hpc_tba.memory.staging_bytes), outside vLLM's share."""
     s, c = cfg.searcher, cfg.cluster
-    wire = resolve_wire_dtype(cfg.learner, s)
-    plan.buckets = bucket_sizes(spec, bucket_bytes=int(cfg.learner.sync_bucket_mb * 2**20),
-                                wire_bytes=DTYPE_BYTES[wire])
+    wire = _wire(cfg)
     version, bucket = sum(plan.buckets), max(plan.buckets)
-    room = c.gpu_memory_gb * 1e9 * (USABLE_FRACTION - s.gpu_memory_utilization) if gpus else 0.0
+    # what the receiver's resolve_staging compares with: 90% of the memory vLLM leaves free
+    room = c.gpu_memory_gb * 1e9 * (1 - s.gpu_memory_utilization) * USABLE_FRACTION if gpus else 0.0
     mode = s.staging
     if mode == "auto":
         mode = "device" if gpus and staging_bytes("device", version_bytes=version,
@@ -313,8 +334,8 @@ def _staging(plan: Plan, cfg: RunConfig, spec: ModelSpec, gpus: int) -> None:
     if gpus and st.device_bytes > room:
         plan.problems.append(
             f"searcher.staging={mode} needs {st.device_bytes / GiB:.1f} GiB on the engine's GPU "
-            f"beside vLLM's share, but {max(room, 0) / GiB:.1f} GiB are left ({USABLE_FRACTION:.0%} "
-            f"usable - gpu_memory_utilization {s.gpu_memory_utilization}): use staging=host or "
+            f"beside vLLM's share, but {room / GiB:.1f} GiB are left ({USABLE_FRACTION:.0%} of "
+            f"what gpu_memory_utilization {s.gpu_memory_utilization} leaves): use staging=host or "
             f"stream, a smaller learner.sync_bucket_mb, or lower searcher.gpu_memory_utilization")
     per_node = max(gpus // s.tensor_parallel_size, 1) if gpus else c.num_searchers
     host = (st.host_bytes + (0 if gpus else st.device_bytes)) * per_node
@@ -348,6 +369,8 @@ def make_plan(cfg: RunConfig, opt: PlanOptions = PlanOptions()) -> Plan:
                       f"{f' = {c.num_searchers * topo.tp_size} GPUs' if gpus else ''}")
     plan.lines += [f"    {ln}" for ln in topo.describe().splitlines()] if topo.num_nodes <= 4 else []
     capacity = c.gpu_memory_gb * 1e9 * USABLE_FRACTION
+    plan.buckets = bucket_sizes(spec, bucket_bytes=int(cfg.learner.sync_bucket_mb * 2**20),
+                                wire_bytes=DTYPE_BYTES[_wire(cfg)])
     _learner(plan, cfg, spec, opt, gpus, capacity)
     if c.num_searchers:
         _engine(plan, cfg, spec, gpus)
