@@ -7,11 +7,12 @@ learner rank 0 and every searcher form the standalone weight-sync group.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import os
 import socket
 
 from hpc_tba.comm.transport import MPITransport
-from hpc_tba.comm.weight_sync import new_group
+from hpc_tba.comm.weight_sync import GROUP_TIMEOUT_S, new_group
 from hpc_tba.topology import Role, Topology
 
 
@@ -36,16 +37,62 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
-def _host() -> str:
-    """An address the other ranks can reach (loopback when everything is on this machine)."""
-    override = os.environ.get("HPC_TBA_MASTER_ADDR")
+def rendezvous_host(hostnames: list[str], environ=None) -> str:
+    """The address every rank connects to for the rendezvous stores (hosted by rank 0).
+
+    HPC_TBA_MASTER_ADDR when set; else the first node of the Slurm allocation (where rank 0
+    runs), else this machine's name, resolved. `hostnames` are the machines of all ranks: when
+    they differ, a loopback address (127.0.1.1 on many cluster images) would send every other
+    node to itself, so it is refused with the fix in the message.
+    """
+    from hpc_tba.launcher.slurm import expand_nodelist
+
+    env = os.environ if environ is None else environ
+    override = env.get("HPC_TBA_MASTER_ADDR")
     if override:
         return override
-    name = socket.gethostname()
+    nodes = expand_nodelist(env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "")
+    spans = len(set(hostnames)) > 1
+    name = nodes[0] if nodes else socket.gethostname()
     try:
-        return socket.gethostbyname(name)
+        addr = socket.gethostbyname(name)
     except OSError:
+        if spans:
+            raise RuntimeError(f"the rendezvous host {name!r} (first node of the job) does not "
+                               f"resolve and the job spans machines {sorted(set(hostnames))}; set "
+                               "HPC_TBA_MASTER_ADDR to an address of rank 0's node") from None
         return "127.0.0.1"
+    if spans and addr.startswith("127."):
+        raise RuntimeError(f"the rendezvous host {name!r} resolves to the loopback address {addr} but "
+                           f"the job spans machines {sorted(set(hostnames))}: the other nodes cannot "
+                           "reach it. Set HPC_TBA_MASTER_ADDR to rank 0's address on the cluster network")
+    return addr
+
+
+def local_device_index(topo: Topology, rank: int, environ=None) -> int:
+    """LOCAL_RANK of a learner: the index of its GPU among the GPUs this process sees.
+
+    Pinned by CUDA_VISIBLE_DEVICES (build.transport_and_topology under Slurm: one GPU per
+    learner) it is 0; on one machine without pinning, the node-local device index.
+    """
+    env = os.environ if environ is None else environ
+    physical = topo.devices_of(rank)[0]
+    visible = [d.strip() for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    if not visible:
+        return physical
+    if str(physical) in visible:
+        return visible.index(str(physical))
+    if len(visible) == 1:  # Slurm's own binding gave this task one GPU under its own numbering
+        return 0
+    raise RuntimeError(f"learner rank {rank} should use GPU {physical} of its node, but "
+                       f"CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES')} lists several others")
+
+
+def learner_env(topo: Topology, rank: int, rdv: dict, environ=None) -> dict[str, str]:
+    """torch.distributed's environment for a learner rank (the learners' default group)."""
+    return {"RANK": str(topo.learner_ranks.index(rank)), "WORLD_SIZE": str(topo.num_learners),
+            "LOCAL_RANK": str(local_device_index(topo, rank, environ)), "MASTER_ADDR": rdv["host"],
+            "MASTER_PORT": str(rdv["learner_port"])}
 
 
 @dataclasses.dataclass
@@ -58,24 +105,28 @@ class Groups:
 def setup_groups(transport: MPITransport, topo: Topology, *, backend: str) -> Groups:
     """Collective over every rank of the job."""
     backend = resolve_backend(backend)
+    hostnames = transport.comm.allgather(socket.gethostname())
     rdv = None
     if transport.rank == 0:
         learner_port, sync_port = free_ports(2)
-        rdv = {"host": _host(), "learner_port": learner_port, "sync_port": sync_port}
+        rdv = {"host": rendezvous_host(hostnames), "learner_port": learner_port, "sync_port": sync_port}
     rdv = transport.bcast_json(rdv)
     rank = transport.rank
     if topo.role(rank) is Role.LEARNER:
         import deepspeed
 
         lrank = topo.learner_ranks.index(rank)
-        os.environ.update(RANK=str(lrank), WORLD_SIZE=str(topo.num_learners),
-                          LOCAL_RANK=str(lrank), MASTER_ADDR=rdv["host"],
-                          MASTER_PORT=str(rdv["learner_port"]))
+        os.environ.update(learner_env(topo, rank, rdv))
+        if backend == "nccl":  # DeepSpeed's accelerator then picks cuda:LOCAL_RANK
+            import torch
+
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False,
                                    init_method=f"tcp://{rdv['host']}:{rdv['learner_port']}",
-                                   rank=lrank, world_size=topo.num_learners, verbose=False)
+                                   rank=lrank, world_size=topo.num_learners, verbose=False,
+                                   timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
     sync = None
     if rank in topo.sync_ranks and topo.num_searchers > 0:
         sync = new_group(host=rdv["host"], port=rdv["sync_port"], rank=topo.sync_ranks.index(rank),
-                         size=len(topo.sync_ranks), backend=backend)
+                         size=len(topo.sync_ranks), backend=backend, timeout_s=GROUP_TIMEOUT_S)
     return Groups(backend, sync)

@@ -136,10 +136,12 @@ class Manifest:
 
 
 _STORES: list = []
+GROUP_TIMEOUT_S = 1800.0
+"""Timeout of every process group the job makes (gloo and NCCL alike)."""
 
 
 def new_group(*, host: str, port: int, rank: int, size: int, backend: str,
-              timeout_s: float = 1800.0) -> torch.distributed.ProcessGroup:
+              timeout_s: float = GROUP_TIMEOUT_S) -> torch.distributed.ProcessGroup:
     """A standalone process group of `size` members (rank 0 hosts the store)."""
     import torch.distributed as dist
 
@@ -147,8 +149,10 @@ def new_group(*, host: str, port: int, rank: int, size: int, backend: str,
     store = dist.TCPStore(host, port, size, is_master=(rank == 0), timeout=timeout)
     if backend == "gloo":
         pg = dist.ProcessGroupGloo(store, rank, size, timeout)
-    elif backend == "nccl":
-        pg = dist.ProcessGroupNCCL(store, rank, size)
+    elif backend == "nccl":  # the same timeout as gloo (NCCL's default is 10 minutes)
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        pg = dist.ProcessGroupNCCL(store, rank, size, opts)
     else:
         raise ValueError(f"weight-sync backend {backend!r} is not gloo or nccl")
     _STORES.append(store)  # the group needs its store for as long as the process lives

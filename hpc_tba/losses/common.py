@@ -28,8 +28,9 @@ MAX_LOG_RATIO = 30.0
 
 
 def masked_sum(x: Tensor, mask: Tensor) -> Tensor:
-    """Σ_t x[b, t] over mask[b, t]; `[B, T] -> [B]` in float32 (padding values never read)."""
-    return torch.where(mask, x.float(), 0.0).sum(dim=-1)
+    """Σ_t x[b, t] over mask[b, t]; `[B, T] -> [B]` in float32, or float64 for float64 input
+    (padding values never read)."""
+    return torch.where(mask, x.to(torch.promote_types(x.dtype, torch.float32)), 0.0).sum(dim=-1)
 
 
 def row_lengths(mask: Tensor) -> Tensor:

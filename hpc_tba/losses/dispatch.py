@@ -97,6 +97,18 @@ def compute_loss(cfg: LossConfig, inputs: LossInputs, *, step: int,
     return loss, metrics
 
 
+def group_coupled(cfg: LossConfig) -> bool:
+    """Whether one sample's loss gradient depends on the CURRENT log-probs of other samples of
+    its group (not only on their rewards): TB's VarGrad logZ, RLOO's KL-shaped leave-one-out
+    baseline, DPO's pairs. Micro-batching that splits groups then needs a no-grad pass for those
+    values (hpc_tba.roles.microbatch); GRPO's group mean/std use rewards only."""
+    if cfg.name == "tb":
+        return cfg.tb_logz == "vargrad"
+    if cfg.name == "rloo":
+        return cfg.kl_coef > 0
+    return cfg.name == "dpo"
+
+
 def loss_units(cfg: LossConfig, inputs: LossInputs) -> Tensor:
     """Local number of loss units (a 0-dim tensor): non-empty rows, or preference pairs for DPO.
 

@@ -16,6 +16,7 @@ sync vs async differs in scheduling only. Every step logs where the time went (`
 """
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -28,17 +29,23 @@ from hpc_tba.buffer import BufferShard, staleness_lags
 from hpc_tba.comm.metrics import reduce_metrics
 from hpc_tba.comm.transport import MPITransport, Tag
 from hpc_tba.comm.weight_sync import FLAG_EVAL, Manifest, WeightSender
-from hpc_tba.losses import LossConfig, LossInputs, compute_loss, loss_units
+from hpc_tba.losses import LossConfig, LossInputs, loss_units
 from hpc_tba.messages import SampledBatch, TrajectoryBatch
+from hpc_tba.roles import microbatch
 from hpc_tba.roles.config import LearnerConfig
 from hpc_tba.roles.logging import RunLogger, Timers
-from hpc_tba.roles.policy import pack, pad_per_token, response_logprobs
+from hpc_tba.roles.policy import PackedBatch, pack, pad_per_token, response_logprobs
 from hpc_tba.topology import Topology
 
 POLL_S = 0.02
 
 
 def deepspeed_config(cfg: LearnerConfig, *, micro_batch: int, train: bool) -> dict:
+    """The DeepSpeed config of the policy (train) or the frozen reference (not train).
+
+    Gradient accumulation is driven by the learner (one backward per micro-batch, one step per
+    learner step, `Learner.train_step`), so DeepSpeed's own counter stays at 1.
+    """
     ds = {
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": 1,
@@ -53,7 +60,18 @@ def deepspeed_config(cfg: LearnerConfig, *, micro_batch: int, train: bool) -> di
     }
     if train and cfg.grad_clip > 0:
         ds["gradient_clipping"] = cfg.grad_clip
+    if cfg.offload_params and cfg.zero_stage == 3:
+        ds["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
+    if cfg.offload_optimizer and train and cfg.zero_stage in (1, 2, 3):
+        ds["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        ds["zero_force_ds_cpu_optimizer"] = False  # the learner hands DeepSpeed torch's AdamW
     return ds
+
+
+def role_device(engine) -> torch.device:
+    """The device DeepSpeed's accelerator gave this rank (cuda:<local rank>, or cpu): the one
+    place the learner asks; every tensor it makes is created there."""
+    return torch.device(engine.device)
 
 
 class Learner:
@@ -74,12 +92,14 @@ class Learner:
         self.step = 0
         self.version = 0
         torch.manual_seed(cfg.seed)
+        self.micro = cfg.micro_batch_size or k
         self.engine, self.ref, self.pad_id = self._build_models(model_path)
+        self.device = role_device(self.engine)
         self.config_yaml = ""
         self.manifest = Manifest.build(
             [(n, tuple(getattr(p, "ds_shape", p.shape))) for n, p in self.engine.module.named_parameters()],
             bucket_bytes=int(cfg.sync_bucket_mb * 2**20), wire_dtype=cfg.sync_wire_dtype)
-        self.sender = WeightSender(self.engine.module, self.manifest, sync_group)
+        self.sender = WeightSender(self.engine.module, self.manifest, sync_group, device=self.device)
         self.log = RunLogger(run_dir, "learner", enabled=self.is_main, total=cfg.total_steps)
         self.received: dict[int, int] = {}  # searcher rank -> trajectories received
         self.done: dict[int, int] = {}  # searcher rank -> trajectories it says it sent here
@@ -102,10 +122,13 @@ class Learner:
         from hpc_tba.models.loading import check_dtype, load_causal_lm
 
         dtype = torch.bfloat16 if self.cfg.dtype == "bf16" else torch.float32
-        micro = max(1, self.cfg.prompts_per_step * self.k)
+        micro = self.micro
         ds_train = deepspeed_config(self.cfg, micro_batch=micro, train=True)
         zero3 = ds_train if self.cfg.zero_stage == 3 else None
         policy = load_causal_lm(model_path, dtype=dtype, zero3_config=zero3, rank=self.lrank)
+        if self.cfg.gradient_checkpointing:  # non-reentrant: the variant that works under ZeRO-3
+            policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        policy.train()
         opt = torch.optim.AdamW(policy.parameters(), lr=self.cfg.lr, weight_decay=0.0)
         warmup = max(1, self.cfg.warmup_steps)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
@@ -152,7 +175,7 @@ class Learner:
                     metrics.update(self.sync(evaluate=last or self._eval_due()))
             if self.step % self.cfg.log_every == 0 or last:
                 metrics.update(t.metrics())
-                self.log.scalars(self.step, reduce_metrics(metrics, sum_prefix=("loss/", "samples/")))
+                self.log.scalars(self.step, self._reduce(metrics, sum_prefix=("loss/", "samples/")))
                 self.log.progress(self.step, self._postfix(metrics))
             self.preempted, due = self._step_flags()
             if self.preempted or last or due:
@@ -170,7 +193,7 @@ class Learner:
         due = (every > 0 and self.step % every == 0) or (
             interval > 0 and time.time() - self._last_ckpt[1] >= interval)
         signal = self.preemption is not None and self.preemption.is_set()
-        flags = reduce_metrics({"signal": float(signal), "due": float(due)}, op="sum")
+        flags = self._reduce({"signal": float(signal), "due": float(due)}, op="sum")
         return flags["signal"] > 0, flags["due"] > 0
 
     def save_checkpoint(self) -> str:
@@ -202,7 +225,7 @@ class Learner:
                                f"responses, below buffer.warm_start={self.shard.cfg.warm_start}")
         while True:
             self.receive()
-            ready = reduce_metrics({"ready": float(self.shard.ready())}, op="min")["ready"]
+            ready = self._reduce({"ready": float(self.shard.ready())}, op="min")["ready"]
             if ready:
                 break
             time.sleep(POLL_S)
@@ -235,45 +258,58 @@ class Learner:
         g = self.cfg.prompts_per_step
         while True:
             self.receive()
-            if reduce_metrics({"ready": float(len(self.on_policy) >= g)}, op="min")["ready"]:
+            if self._reduce({"ready": float(len(self.on_policy) >= g)}, op="min")["ready"]:
                 break
             time.sleep(POLL_S)
         batches, self.on_policy = self.on_policy[:g], []
         return SampledBatch.from_trajectories(batches, self.k)
 
+    def _reduce(self, metrics: dict[str, float], **kw) -> dict[str, float]:
+        """reduce_metrics over the learners, the tensor on this rank's device."""
+        return reduce_metrics(metrics, device=self.device, **kw)
+
     def train_step(self, batch: SampledBatch | None = None) -> dict[str, float]:
-        """One update on `batch`, or (async) on G x K samples drawn from the buffer shard."""
+        """One update on `batch`, or (async) on G x K samples drawn from the buffer shard.
+
+        The step's sequences go through the model in micro-batches of at most
+        `learner.micro_batch_size` sequences (0: K), sorted by length, with gradient
+        accumulation and one optimizer step; the update equals the one-batch update for every
+        loss (hpc_tba.roles.microbatch states the rule for group statistics).
+        """
         t0 = time.time()
         if batch is None:
             batch = self.shard.sample(self.cfg.prompts_per_step, self.k, learner_version=self.step)
-        packed = pack(batch.prompt_tokens, batch.response_tokens, pad_id=self.pad_id)
-        logp = response_logprobs(self.engine, packed, temperature=self.temperature)
-        logp_ref = None
-        if self.ref is not None:
-            with torch.no_grad():
-                logp_ref = response_logprobs(self.ref, packed, temperature=self.temperature)
-        rewards, groups = torch.as_tensor(batch.rewards), torch.as_tensor(batch.group_ids)
+        dev = self.device
+        packed = pack(batch.prompt_tokens, batch.response_tokens, pad_id=self.pad_id, device=dev)
+        lengths = np.array([len(p) + len(r) for p, r in zip(batch.prompt_tokens, batch.response_tokens)])
+        plan = microbatch.agree(microbatch.plan(lengths, batch.group_ids, self.micro),
+                                lambda m: self._reduce(m, op="max"))
+        rewards = torch.as_tensor(batch.rewards, device=dev)
+        groups = torch.as_tensor(batch.group_ids, device=dev)
+        zeros = torch.zeros(packed.response_mask.shape, dtype=torch.float32, device=dev)
         inputs = LossInputs(
-            logp=logp, logp_ref=logp_ref,
+            logp=zeros, logp_ref=self._reference_logprobs(packed, plan),
             logp_behavior=pad_per_token(batch.logp_behavior, packed.response_ids),
             mask=packed.response_mask, rewards=rewards, group_ids=groups,
             advantages=self._advantages(batch, rewards, groups))
         # DeepSpeed averages gradients over learner ranks: normaliser = global units / ranks.
-        units = reduce_metrics({"units": float(loss_units(self.loss_cfg, inputs))}, op="sum")["units"]
-        loss, lm = compute_loss(self.loss_cfg, inputs, step=self.step,
-                                normalizer=max(units, 1.0) / self.topo.num_learners)
-        if self.step + 1 in self._nan_faults:  # test hook: HPC_TBA_FAULT_NAN_STEPS="5,6"
-            loss = loss * float("nan")
-        skipped = self._skip_if_nonfinite(loss)
-        if not skipped:
-            self.engine.backward(loss)
+        units = self._reduce({"units": float(loss_units(self.loss_cfg, inputs))}, op="sum")["units"]
+        loss, lm, logp = microbatch.accumulate(
+            self.loss_cfg, inputs, plan, step=self.step,
+            normalizer=max(units, 1.0) / self.topo.num_learners,
+            logp_fn=lambda rows: self._policy_logprobs(packed.select(rows)),
+            backward=self._backward, check=self._check_loss)
+        if loss is None:  # a non-finite micro-batch loss somewhere: no update on any rank
+            self.engine.optimizer.zero_grad()  # drop what earlier micro-batches accumulated
+        else:
             self.engine.step()
         dt = time.time() - t0
         out = {k: float(v) for k, v in lm.items()}
         out["train/nonfinite_skipped"] = float(self.nonfinite_skipped)
+        out["train/micro_batches"] = float(len(plan.rows))
         out.update(self.shard.staleness(batch, self.step))
         out.update(self.shard.metrics())
-        out.update(self._mismatch(batch, logp.detach(), inputs.logp_behavior, packed.response_mask))
+        out.update(self._mismatch(batch, logp, inputs.logp_behavior, packed.response_mask))
         out.update(self._incoming_metrics())
         out["reward/sampled_mean"] = float(batch.rewards.mean())
         self.samples["trained"] += batch.size
@@ -285,10 +321,38 @@ class Learner:
             self.log.histogram(self.step, "buffer/staleness", staleness_lags(batch, self.step))
         return out
 
+    def _policy_logprobs(self, packed: PackedBatch) -> torch.Tensor:
+        return response_logprobs(self.engine, packed, temperature=self.temperature,
+                                 chunk_tokens=self.cfg.logprob_chunk_tokens)
+
+    def _reference_logprobs(self, packed: PackedBatch, plan: microbatch.MicroPlan) -> torch.Tensor | None:
+        """[B, T] reference log-probs, computed micro-batch by micro-batch (no grad)."""
+        if self.ref is None:
+            return None
+        out = torch.zeros(packed.response_mask.shape, dtype=torch.float32, device=self.device)
+        with torch.no_grad():
+            for rows, pad in zip(plan.rows, plan.padding):
+                idx = torch.as_tensor(rows, device=self.device)
+                part = response_logprobs(self.ref, packed.select(idx), temperature=self.temperature,
+                                         chunk_tokens=self.cfg.logprob_chunk_tokens)
+                if not pad:
+                    out[idx, : part.shape[1]] = part
+        return out
+
+    def _backward(self, loss: torch.Tensor, last: bool) -> None:
+        # Gradients accumulate over the step's micro-batches; the last one is the boundary.
+        self.engine.set_gradient_accumulation_boundary(last)
+        self.engine.backward(loss)
+
+    def _check_loss(self, loss: torch.Tensor) -> bool:
+        if self.step + 1 in self._nan_faults:  # test hook: HPC_TBA_FAULT_NAN_STEPS="5,6"
+            loss = loss * float("nan")
+        return not self._skip_if_nonfinite(loss)
+
     def _skip_if_nonfinite(self, loss: torch.Tensor) -> bool:
         """Skip the update (on every learner rank together) when the loss is NaN/inf anywhere;
         give up after `learner.max_nonfinite_steps` in a row rather than train on garbage."""
-        bad = reduce_metrics({"bad": float(not torch.isfinite(loss.detach()))}, op="sum")["bad"] > 0
+        bad = self._reduce({"bad": float(not torch.isfinite(loss.detach()))}, op="sum")["bad"] > 0
         if not bad:
             self._nonfinite_in_row = 0
             return False
@@ -311,10 +375,11 @@ class Learner:
         hpc_tba.losses.value computed once by the preprocessing pass.
         """
         if batch.advantages is not None:
-            return torch.as_tensor(batch.advantages)
+            return torch.as_tensor(batch.advantages, device=self.device)
         if not self.loss_cfg.needs_advantages:
             return None
-        means = torch.zeros(int(groups.max()) + 1).index_add_(0, groups, rewards)
+        means = torch.zeros(int(groups.max()) + 1, dtype=rewards.dtype, device=self.device).index_add_(
+            0, groups, rewards)
         counts = torch.zeros_like(means).index_add_(0, groups, torch.ones_like(rewards))
         return rewards - (means / counts.clamp(min=1))[groups]
 
@@ -337,10 +402,11 @@ class Learner:
         A ZeRO-3 forward: every learner rank runs it (the parameters are gathered collectively).
         """
         prompt, response = self.probe
-        packed = pack([np.asarray(prompt)], [np.asarray(response)], pad_id=self.pad_id)
+        packed = pack([np.asarray(prompt)], [np.asarray(response)], pad_id=self.pad_id, device=self.device)
         with torch.no_grad():
-            logp = response_logprobs(self.engine, packed, temperature=1.0)
-        return logp[0, : len(response)].double().numpy()
+            logp = response_logprobs(self.engine, packed, temperature=1.0,
+                                     chunk_tokens=self.cfg.logprob_chunk_tokens)
+        return logp[0, : len(response)].double().cpu().numpy()
 
     def _on_probe(self, src: int, vals: np.ndarray) -> None:
         version, engine_logp = int(vals[0]), vals[1:]
@@ -357,11 +423,12 @@ class Learner:
 
     # ------------------------------------------------------------------ metrics
     def _mismatch(self, batch, logp, logp_behavior, mask) -> dict[str, float]:
-        """Learner vs engine log-prob of sampled tokens, on rows made by the current weights."""
-        rows = torch.as_tensor(batch.policy_versions == self.version)
+        """Learner vs engine log-prob of sampled tokens, on rows made by the current weights
+        (NaN when there is none: the key set is the same on every rank, comm.metrics)."""
+        rows = torch.as_tensor(batch.policy_versions == self.version, device=self.device)
         m = mask & rows[:, None]
         if not bool(m.any()):
-            return {}
+            return {"sync/logprob_mismatch_mean": math.nan, "sync/logprob_mismatch_max": math.nan}
         gap = (logp - logp_behavior).abs()[m]
         return {"sync/logprob_mismatch_mean": float(gap.mean()),
                 "sync/logprob_mismatch_max": float(gap.max())}
@@ -369,8 +436,7 @@ class Learner:
     def _incoming_metrics(self) -> dict[str, float]:
         inc, now, received = self._incoming, time.time(), self.samples["received"]
         out = {"perf/gen_samples_per_s": (received - inc["received"]) / max(now - inc["t"], 1e-9)}
-        if inc["rewards"]:
-            out["reward/incoming_mean"] = float(np.mean(inc["rewards"]))
+        out["reward/incoming_mean"] = float(np.mean(inc["rewards"])) if inc["rewards"] else math.nan
         self._incoming = {"rewards": [], "received": received, "t": now}
         return out
 

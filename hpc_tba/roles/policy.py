@@ -2,15 +2,23 @@
 
 Shared by the learner (current policy and reference) and by the sync checks in tests, so that
 "the learner's log-prob of a sampled token" is computed in exactly one way.
+
+Memory: `response_logprobs` never builds the logits of the whole batch. The model's output head
+is swapped, for the duration of one forward, for a function that takes the final hidden states
+of the response positions only and runs head + fp32 log-softmax on `chunk_tokens` of them at a
+time (each chunk recomputed in the backward pass instead of kept), so the largest vocabulary
+tensor is [chunk_tokens, V]. The head is still called as the model's own submodule inside the
+model's forward, so DeepSpeed ZeRO-3 gathers and releases its weight exactly as for a plain
+forward.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import numpy as np
 import torch
-
-from hpc_tba.losses import token_logprobs
+import torch.utils.checkpoint
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,8 +35,22 @@ class PackedBatch:
     def num_response_tokens(self) -> int:
         return int(self.response_mask.sum())
 
+    @property
+    def device(self) -> torch.device:
+        return self.input_ids.device
 
-def pack(prompts: list[np.ndarray], responses: list[np.ndarray], *, pad_id: int) -> PackedBatch:
+    def select(self, rows: torch.Tensor) -> PackedBatch:
+        """The given rows, padded only to their own longest sequence and response."""
+        attn, rmask = self.attention_mask[rows], self.response_mask[rows]
+        seq_len = max(1, int(attn.sum(dim=-1).max())) if rows.numel() else 1
+        t = max(1, int(rmask.sum(dim=-1).max())) if rows.numel() else 1
+        return PackedBatch(self.input_ids[rows, :seq_len], attn[:, :seq_len], self.response_ids[rows, :t],
+                           rmask[:, :t], self.logit_index[rows, :t])
+
+
+def pack(prompts: list[np.ndarray], responses: list[np.ndarray], *, pad_id: int,
+         device: torch.device | str = "cpu") -> PackedBatch:
+    """Right-padded tensors of the sequences, built on the host and moved to `device` at once."""
     b = len(prompts)
     seq_len = max(len(p) + len(r) for p, r in zip(prompts, responses))
     t = max(1, max(len(r) for r in responses))
@@ -45,21 +67,78 @@ def pack(prompts: list[np.ndarray], responses: list[np.ndarray], *, pad_id: int)
         resp[i, :n_r] = torch.from_numpy(np.asarray(r, dtype=np.int64))
         rmask[i, :n_r] = True
         index[i, :n_r] = torch.arange(n_p - 1, n_p + n_r - 1)
-    return PackedBatch(ids, attn, resp, rmask, index)
+    dev = torch.device(device)
+    return PackedBatch(*(x.to(dev) for x in (ids, attn, resp, rmask, index)))
 
 
 def pad_per_token(values: list[np.ndarray], like: torch.Tensor) -> torch.Tensor:
-    """Ragged per-token float arrays -> [B, T] float32 aligned with a PackedBatch's responses."""
+    """Ragged per-token float arrays -> [B, T] float32 aligned with `like`, on `like`'s device."""
     out = torch.zeros(like.shape, dtype=torch.float32)
     for i, v in enumerate(values):
-        out[i, : len(v)] = torch.as_tensor(v, dtype=torch.float32)
-    return out
+        n = min(len(v), like.shape[1])
+        out[i, :n] = torch.as_tensor(v[:n], dtype=torch.float32)
+    return out.to(like.device)
 
 
-def response_logprobs(model, batch: PackedBatch, *, temperature: float) -> torch.Tensor:
-    """[B, T] log π(response token) from logits / temperature; padding positions are 0."""
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-    idx = batch.logit_index.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
-    picked = logits.gather(1, idx)  # [B, T, V]
-    logp = token_logprobs(picked, batch.response_ids, temperature=temperature)
-    return logp.masked_fill(~batch.response_mask, 0.0)
+def _chosen_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log softmax(head(hidden) / T)[target] for [N, H] hidden states: [N], float32 at least."""
+    logits = torch.nn.functional.linear(hidden, weight, bias)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
+    return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def _head_forward(head: torch.nn.Module, batch: PackedBatch, temperature: float, chunk: int):
+    """A replacement `forward` of the output head: hidden [B, L, H] -> [B, T] chosen log-probs."""
+    rows, cols = batch.response_mask.nonzero(as_tuple=True)  # response positions only
+    targets = batch.response_ids[rows, cols]
+    positions = batch.logit_index[rows, cols]
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        picked = hidden[rows, positions]  # [N, H]: no padding, no prompt positions
+        parts = []
+        for start in range(0, picked.shape[0], chunk):
+            args = (picked[start: start + chunk], head.weight, getattr(head, "bias", None),
+                    targets[start: start + chunk], temperature)
+            if torch.is_grad_enabled():  # keep only the chunk's hidden states, recompute logits
+                parts.append(torch.utils.checkpoint.checkpoint(_chosen_logprobs, *args, use_reentrant=False))
+            else:
+                parts.append(_chosen_logprobs(*args))
+        dtype = torch.promote_types(picked.dtype, torch.float32)
+        flat = torch.cat(parts) if parts else picked.new_zeros(0, dtype=dtype)
+        out = torch.zeros(batch.response_mask.shape, dtype=dtype, device=flat.device)
+        return out.index_put((rows, cols), flat)
+
+    return forward
+
+
+@contextlib.contextmanager
+def _head_swapped(model, forward):
+    module = getattr(model, "module", model)  # a DeepSpeed engine wraps the HF model
+    head = module.get_output_embeddings()
+    cfg = getattr(module, "config", None)
+    if getattr(cfg, "final_logit_softcapping", None):
+        raise ValueError("response_logprobs: models with final_logit_softcapping are not supported "
+                         "(the chunked head skips the soft-capping)")
+    head.forward = forward(head)  # instance attribute: the module's hooks (ZeRO-3) still run
+    try:
+        yield
+    finally:
+        del head.forward
+
+
+def response_logprobs(model, batch: PackedBatch, *, temperature: float,
+                      chunk_tokens: int = 1024) -> torch.Tensor:
+    """[B, T] log π(response token) from logits / temperature (float32; float64 for a float64
+    model); padding positions are 0.
+
+    Logits are computed only at the response positions, `chunk_tokens` of them at a time (module
+    docstring); `model` is a Hugging Face causal LM or a DeepSpeed engine around one.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    with _head_swapped(model, lambda head: _head_forward(head, batch, temperature, chunk_tokens)):
+        out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
+    return out.logits

@@ -1,0 +1,154 @@
+"""One learner step as several micro-batches whose accumulated gradient equals the one-batch one.
+
+Which rows go together (`plan`): sequences are sorted by length so that each micro-batch is
+padded only to its own longest sequence. When `micro_batch_size` holds a whole prompt group
+(the default, micro = K), micro-batches are made of whole groups (longest groups first, packed
+greedily), so every group statistic is computed inside one micro-batch; otherwise sequences of
+a group are spread over several micro-batches ("split").
+
+Why the update is exact (`accumulate`): every loss is evaluated on the WHOLE step's rows, with
+the log-probs of the current micro-batch's rows attached to the graph and every other row a
+detached constant ("context"). By the chain rule the backward of micro-batch m then gives
+Σ_{i in m} ∂L/∂S_i ∇θ S_i, and summing over micro-batches gives ∇θ L exactly, for any loss, as
+long as ∂L/∂S_i is evaluated at the true values. The context values matter only where the
+derivative of one row's loss depends on another row's current log-probs, i.e. on θ-dependent
+group statistics: TB's VarGrad logZ = sg[mean_j (r/β − S_j + S_ref_j)], RLOO's KL-shaped
+leave-one-out baseline, DPO's pair partner (`losses.dispatch.group_coupled`). Rules:
+
+- whole groups per micro-batch: context rows are never in the current row's group, any finite
+  value will do (zeros); no extra pass.
+- split groups and a group-coupled loss: one no-grad forward over the step first fills the
+  context with the current log-probs (the cost: one extra forward).
+- split groups, a loss whose group statistics depend on rewards only (GRPO's mean/std, RLOO
+  without KL) or none (SFT, TOPR, A-LoL): zeros again, the statistics come from the whole
+  step's rewards because the loss sees every row.
+
+The normaliser is the global one of the step, so the loss is the same function as without
+micro-batching. Reported loss and metrics come from one no-grad evaluation on the assembled
+log-probs of the whole step: the values the one-batch step reports.
+
+Every learner rank must run the same number of forwards (ZeRO-3 gathers parameters in each):
+`agree` makes the count (and whether a context pass runs) the maximum over ranks, splitting the
+largest micro-batches of ranks that have fewer, or adding a zero-weight one.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from hpc_tba.losses import LossConfig, LossInputs, compute_loss
+from hpc_tba.losses.dispatch import group_coupled
+
+
+@dataclasses.dataclass(frozen=True)
+class MicroPlan:
+    """Row indices of each micro-batch of one step, and whether a prompt group was split."""
+
+    rows: list[np.ndarray]
+    split: bool
+    padding: list[bool] = dataclasses.field(default_factory=list)
+    """Per micro-batch: True for a zero-weight forward that only keeps ranks in step."""
+
+    def __post_init__(self) -> None:
+        if not self.padding:
+            object.__setattr__(self, "padding", [False] * len(self.rows))
+
+
+def plan(lengths: np.ndarray, group_ids: np.ndarray, micro: int) -> MicroPlan:
+    """Micro-batches of at most `micro` rows, sorted by length (module docstring)."""
+    if micro < 1:
+        raise ValueError(f"micro-batch size must be >= 1, got {micro}")
+    lengths, group_ids = np.asarray(lengths), np.asarray(group_ids)
+    if lengths.shape != group_ids.shape or lengths.ndim != 1 or lengths.size == 0:
+        raise ValueError(f"plan needs equal non-empty [B] lengths and group ids, got "
+                         f"{lengths.shape} and {group_ids.shape}")
+    groups: dict[int, list[int]] = {}
+    for i, g in enumerate(group_ids.tolist()):
+        groups.setdefault(g, []).append(i)
+    if max(len(v) for v in groups.values()) <= micro:
+        order = sorted(groups.values(), key=lambda rows: -int(lengths[rows].max()))
+        out: list[list[int]] = []
+        for rows in order:  # longest groups first; a group joins the current batch if it fits
+            if out and len(out[-1]) + len(rows) <= micro:
+                out[-1].extend(rows)
+            else:
+                out.append(list(rows))
+        return MicroPlan([np.sort(np.asarray(r, dtype=np.int64)) for r in out], split=False)
+    order = np.argsort(-lengths, kind="stable")
+    return MicroPlan([np.sort(order[s: s + micro]) for s in range(0, len(order), micro)], split=True)
+
+
+def agree(p: MicroPlan, reduce_max: Callable[[dict[str, float]], dict[str, float]]) -> MicroPlan:
+    """`p` with as many micro-batches as the rank that has most, and the same `split` flag."""
+    g = reduce_max({"count": float(len(p.rows)), "split": float(p.split)})
+    target, split = int(g["count"]), bool(g["split"]) or p.split
+    rows, padding = list(p.rows), list(p.padding)
+    while len(rows) < target:
+        big = max(range(len(rows)), key=lambda i: len(rows[i]))
+        if len(rows[big]) < 2:  # nothing left to split: a zero-weight forward on one row
+            rows.append(rows[0][:1])
+            padding.append(True)
+            continue
+        half = len(rows[big]) // 2
+        rows[big:big + 1] = [rows[big][:half], rows[big][half:]]
+        padding[big:big + 1] = [padding[big], padding[big]]
+        split = True  # conservatively: the halves may cut a group
+    return MicroPlan(rows, split=split, padding=padding)
+
+
+def needs_context(cfg: LossConfig, p: MicroPlan) -> bool:
+    """Whether the current log-probs of other rows are needed for an exact gradient."""
+    return p.split and group_coupled(cfg)
+
+
+def _scatter(base: torch.Tensor, rows: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
+    """`base` with `part` ([b, t], t <= T) written into `rows`; differentiable in `part`."""
+    pad = torch.nn.functional.pad(part, (0, base.shape[1] - part.shape[1]))
+    return base.index_put((rows,), pad)
+
+
+def accumulate(cfg: LossConfig, inputs: LossInputs, p: MicroPlan, *,
+               logp_fn: Callable[[torch.Tensor], torch.Tensor],
+               backward: Callable[[torch.Tensor, bool], None],
+               step: int, normalizer: float,
+               check: Callable[[torch.Tensor], bool] = lambda loss: True):
+    """Forward/backward every micro-batch of `p`; returns (loss, metrics, whole-step log-probs).
+
+    `inputs` holds the whole step's tensors (its `logp` gives only shape and dtype); `logp_fn(rows)` returns the
+    [b, t] log-probs of those rows with grad (t <= T); `backward(loss, last)` back-propagates
+    one micro-batch's loss (last: it is the step's final one). `check(loss)` is asked before each
+    backward; False stops the step (returns loss None). Collective calls inside the callables
+    run the same number of times on every rank when `p` went through `agree`.
+    """
+    if inputs.logz is not None and inputs.logz.requires_grad:
+        raise ValueError("micro-batching evaluates the loss on the whole step once per micro-batch, "
+                         "so a learned logZ (algo.tb_logz=learned) would collect its gradient once "
+                         "per micro-batch; the learner supports tb_logz=vargrad only")
+    dev = inputs.mask.device
+    context = torch.zeros(inputs.mask.shape, dtype=inputs.logp.dtype, device=dev)  # logp's dtype
+    idx = [torch.as_tensor(r, device=dev) for r in p.rows]
+    if needs_context(cfg, p):
+        with torch.no_grad():
+            for rows, pad in zip(idx, p.padding):
+                part = logp_fn(rows)
+                if not pad:
+                    context = _scatter(context, rows, part.to(context.dtype))
+    final = context.clone()
+    for i, (rows, pad) in enumerate(zip(idx, p.padding)):
+        part = logp_fn(rows)
+        if pad:
+            loss = part.sum() * 0.0
+        else:
+            logp = _scatter(context, rows, part.to(context.dtype))
+            loss, _ = compute_loss(cfg, dataclasses.replace(inputs, logp=logp), step=step, normalizer=normalizer)
+            final = _scatter(final, rows, part.detach().to(final.dtype))
+        if not check(loss):
+            return None, {}, final
+        backward(loss, i == len(idx) - 1)
+    with torch.no_grad():
+        loss, metrics = compute_loss(cfg, dataclasses.replace(inputs, logp=final), step=step,
+                                     normalizer=normalizer)
+    return loss, metrics, final
