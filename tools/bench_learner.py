@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import subprocess
@@ -113,9 +114,8 @@ def _rss(field: str) -> int:
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 
-def _ours(cfg, path: str, run_dir: str):
+def _ours(cfg, path: str, run_dir: str, *, transport):
     from hpc_tba.buffer import BufferShard
-    from hpc_tba.comm.transport import MPITransport
     from hpc_tba.roles.config import resolve_wire_dtype
     from hpc_tba.roles.learner import Learner
     from hpc_tba.topology import Topology
@@ -123,7 +123,7 @@ def _ours(cfg, path: str, run_dir: str):
     shard = BufferShard(cfg.buffer, directory=os.path.join(run_dir, "buffer"))
     lr = dataclasses.replace(cfg.learner, sync_wire_dtype=resolve_wire_dtype(cfg.learner, cfg.searcher))
     learner = Learner(cfg=lr, loss=cfg.algo, shard=shard, k=cfg.searcher.k,
-                      temperature=cfg.searcher.temperature, model_path=path, transport=MPITransport(),
+                      temperature=cfg.searcher.temperature, model_path=path, transport=transport,
                       topo=Topology.build(1, 1, 0, needs_searchers=False), sync_group=None, run_dir=run_dir)
     return learner.train_step
 
@@ -172,16 +172,28 @@ def child(args: dict) -> dict:
     cfg = run_config(args["path"], k=args["k"], micro=args["micro"], algo=args["algo"],
                      checkpointing=args["checkpointing"])
     batch = make_batch(SIZES[args["size"]][0], args["k"])
+    # everything imported and MPI started before the baseline: only the step's memory is counted
+    import transformers.models.llama.modeling_llama  # noqa: F401
+
+    from hpc_tba.comm.transport import MPITransport
+    from hpc_tba.models import loading  # noqa: F401
+    from hpc_tba.roles import learner  # noqa: F401
+
+    transport = MPITransport()
     base = _rss("VmRSS")
     with tempfile.TemporaryDirectory() as run_dir:
-        step = (_ours if args["mode"] == "ours" else _plain)(cfg, args["path"], run_dir)
+        build = functools.partial(_ours, transport=transport) if args["mode"] == "ours" else _plain
+        step = build(cfg, args["path"], run_dir)
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # reset VmHWM: the load's mapped files are closed by now
-        step(batch)  # warm-up: Adam allocates its states
         t0 = time.perf_counter()
-        for _ in range(args["steps"]):
-            step(batch)
-        dt = (time.perf_counter() - t0) / args["steps"]
+        step(batch)  # warm-up: Adam allocates its states
+        dt = time.perf_counter() - t0
+        if args["steps"]:
+            t0 = time.perf_counter()
+            for _ in range(args["steps"]):
+                step(batch)
+            dt = (time.perf_counter() - t0) / args["steps"]
     return {"tokens_per_s": args["k"] * (PROMPT + RESPONSE) / dt, "step_s": dt, "peak": _rss("VmHWM") - base}
 
 
@@ -217,7 +229,7 @@ def main() -> int:
     ap.add_argument("--micro", type=int, default=8, help="learner.micro_batch_size")
     ap.add_argument("--algo", default="tb")
     ap.add_argument("--checkpointing", action="store_true", help="learner.gradient_checkpointing")
-    ap.add_argument("--steps", type=int, default=1, help="timed steps after one warm-up step")
+    ap.add_argument("--steps", type=int, default=1, help="timed steps after one warm-up step (0: time the warm-up)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -237,7 +249,8 @@ def main() -> int:
               f"plain {plain['tokens_per_s']:8.1f} tok/s peak {plain['peak'] / 2**30:6.2f} GiB | "
               f"planned {plan / 2**30:6.2f} GiB", flush=True)
     small = build_model(a.sizes[0])
-    k8, k64 = measure("ours", small, a.sizes[0], a, k=8), measure("ours", small, a.sizes[0], a, k=64)
+    mem_only = argparse.Namespace(**{**vars(a), "steps": 0})  # the peak needs one step, not a timing
+    k8, k64 = (measure("ours", small, a.sizes[0], mem_only, k=k) for k in (8, 64))
     print(f"  {a.sizes[0]:>5}: ours K=8 peak {k8['peak'] / 2**30:.2f} GiB, K=64 peak {k64['peak'] / 2**30:.2f} GiB "
           f"(micro batch {a.micro}; planned {planned(small, a, k=8) / 2**30:.2f} / "
           f"{planned(small, a, k=64) / 2**30:.2f} GiB)", flush=True)
