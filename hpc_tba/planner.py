@@ -73,9 +73,7 @@ def model_spec(cfg: RunConfig, arch: str | None = None) -> ModelSpec:
             raise ValueError(f"unknown --arch {arch!r}; known: {', '.join(KNOWN_MODELS)}")
         return KNOWN_MODELS[arch]
     if m.path == "embedded":
-        # The tiny char-level Llama: vocabulary of a few dozen symbols; 4x MLP.
-        return ModelSpec("embedded", 64, m.hidden_size, 4 * m.hidden_size, m.num_layers,
-                         m.num_heads, m.num_heads, tie_embeddings=True)
+        return _embedded_spec(cfg)
     config_json = Path(m.path) / "config.json"
     if config_json.is_file():
         return spec_from_hf_config(Path(m.path).name, json.loads(config_json.read_text()))
@@ -85,6 +83,19 @@ def model_spec(cfg: RunConfig, arch: str | None = None) -> ModelSpec:
             return spec
     raise ValueError(f"cannot tell the architecture of model.path={m.path!r}: no config.json "
                      f"there and no known name in it; pass --arch ({', '.join(KNOWN_MODELS)})")
+
+
+def _embedded_spec(cfg: RunConfig) -> ModelSpec:
+    """The tiny char-level Llama: its config.json once built, else the recipe of models.tiny."""
+    from hpc_tba.models import tiny
+    from hpc_tba.tasks import TaskConfig
+
+    m = cfg.model
+    built = tiny.embedded_model_dir(m, cfg.task if cfg.task.name == "arithmetic" else TaskConfig())
+    if (built / "config.json").is_file():
+        return spec_from_hf_config("embedded", json.loads((built / "config.json").read_text()))
+    return ModelSpec("embedded", len(tiny.SPECIALS) + len(tiny.ALPHABET), m.hidden_size, 2 * m.hidden_size,
+                     m.num_layers, m.num_heads, m.num_heads)
 
 
 @dataclasses.dataclass

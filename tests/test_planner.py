@@ -4,6 +4,7 @@ batch, checkpointing, offload, log-prob chunk, reference, staging), the activati
 what autograd saves, and the ZeRO-3 model-state figure is printed next to DeepSpeed's own."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -197,3 +198,16 @@ def test_layer_activation_count_matches_what_autograd_saves(dtype):
     spec = spec_from_hf_config("tiny", cfg.to_dict())
     counted = b * t * sum(spec.layer_activation_bytes_per_token(dtype.itemsize).values())
     assert 0.85 <= measured / counted <= 1.05, (measured, counted)  # a slight over-count is safe
+
+
+def test_embedded_spec_matches_the_embedded_model(monkeypatch, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from hpc_tba.models.tiny import resolve_model_path
+
+    cfg = compose([])
+    built = AutoModelForCausalLM.from_pretrained(resolve_model_path(cfg.model, cfg.task))
+    assert model_spec(cfg).params == sum(p.numel() for p in built.parameters())
+    # before it is built (another cache directory): the recipe gives the same shapes
+    unbuilt = compose([f"model.cache_dir={tmp_path}"])
+    assert model_spec(unbuilt) == dataclasses.replace(model_spec(cfg), head_dim_override=None)
