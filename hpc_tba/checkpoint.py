@@ -1,5 +1,8 @@
 """Atomic learner checkpoints, resume, and export of the policy to a Hugging Face directory.
 
+Export (`export_hf`): layer by layer into sharded safetensors, never more than one layer
+gathered on any rank (at 70B the whole-model gather the export used to do is 140 GB per rank).
+
 Layout under `<run_dir>/checkpoints/`:
 
     step_000120/            one complete checkpoint (a `.tmp-step_000120` while being written)
@@ -42,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import pickle  # only for its exception type: nothing here unpickles without weights_only
 import re
@@ -204,25 +208,109 @@ def load(engine, path: str, *, learner_rank: int) -> tuple[dict, dict]:
     return learner_state, shard_state
 
 
-def export_hf(engine, out_dir: str, *, tokenizer_src: str, learner_rank: int) -> None:
-    """Gather the full policy (collective) and write it as a Hugging Face directory (safetensors)."""
-    import deepspeed
+DEFAULT_SHARD_BYTES = 5 * 2**30
+"""Largest safetensors file of an export (transformers' default `max_shard_size` is 5 GB)."""
 
-    module = engine.module
-    params = list(module.parameters())
-    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-        if learner_rank == 0:
-            state = {k: v.detach().clone().cpu() for k, v in module.state_dict().items()}
-    if learner_rank != 0:
-        return
-    tmp = out_dir + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    module.save_pretrained(tmp, state_dict=state, safe_serialization=True)
-    for name in os.listdir(tokenizer_src):
-        if name.startswith(("tokenizer", "special_tokens", "generation_config")):
-            shutil.copy(os.path.join(tokenizer_src, name), tmp)
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.replace(tmp, out_dir)
+
+def layer_groups(module: torch.nn.Module) -> list[tuple[str, list[tuple[str, torch.nn.Parameter]]]]:
+    """The model's parameters in `named_parameters` order (tied ones once), grouped by layer: one
+    decoder block (the prefix up to the first list index, `model.layers.3`) or one other module
+    (`model.embed_tokens`, `model.norm`, `lm_head`). Every rank gets the same groups."""
+    groups: dict[str, list[tuple[str, torch.nn.Parameter]]] = {}
+    for name, p in module.named_parameters():
+        parts = name.split(".")
+        cut = next((i + 1 for i, part in enumerate(parts[:-1]) if part.isdigit()), len(parts) - 1)
+        groups.setdefault(".".join(parts[:cut]) or name, []).append((name, p))
+    return list(groups.items())
+
+
+def _nbytes(p: torch.nn.Parameter) -> int:
+    return math.prod(getattr(p, "ds_shape", p.shape)) * p.element_size()
+
+
+def _shards(groups, shard_bytes: int) -> list[list[int]]:
+    """Indices of `groups` per file: a file closes before the layer that would overflow it (a layer
+    is never split; one larger than `shard_bytes` gets a file of its own)."""
+    shards, size = [[]], 0
+    for g, (_, params) in enumerate(groups):
+        nbytes = sum(_nbytes(p) for _, p in params)
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(g)
+        size += nbytes
+    return shards
+
+
+def export_hf(engine, out_dir: str, *, tokenizer_src: str | None, learner_rank: int,
+              shard_bytes: int = DEFAULT_SHARD_BYTES) -> None:
+    """Write the policy as a Hugging Face directory of sharded safetensors (collective).
+
+    One layer (`layer_groups`) is gathered at a time on every rank, so no rank ever holds more
+    than the largest layer beyond its own shards; learner rank 0 copies each gathered layer to
+    host memory and writes a file once it holds `shard_bytes` (host memory: one file plus one
+    layer). Files `model-0000i-of-0000n.safetensors` and `model.safetensors.index.json`, as
+    transformers' `save_pretrained` writes them, so `from_pretrained` and vLLM load the result.
+    `engine` is a DeepSpeed engine or a plain module (then the gathers are no-ops).
+    """
+    import deepspeed
+    from safetensors.torch import save_file
+
+    module = getattr(engine, "module", engine)
+    groups = layer_groups(module)
+    shards = _shards(groups, shard_bytes)
+    tmp, main = out_dir + ".tmp", learner_rank == 0
+    if main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    weight_map, total = {}, 0
+    for i, members in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        tensors: dict[str, torch.Tensor] = {}
+        for g in members:
+            params = groups[g][1]
+            with deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=None):
+                if main:
+                    tensors.update((n, p.detach().to("cpu", copy=True).contiguous()) for n, p in params)
+        if main:
+            tensors.update(_persistent_buffers(module, [groups[g][0] for g in members]))
+            save_file(tensors, os.path.join(tmp, fname), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(tensors, fname))
+            total += sum(t.numel() * t.element_size() for t in tensors.values())
+            tensors.clear()
+    if main:
+        _write_json(os.path.join(tmp, "model.safetensors.index.json"),
+                    {"metadata": {"total_size": total}, "weight_map": weight_map})
+        _save_config(module, tmp, tokenizer_src)
+        shutil.rmtree(out_dir, ignore_errors=True)
+        os.replace(tmp, out_dir)
+    _barrier(torch.distributed)
+
+
+def _persistent_buffers(module: torch.nn.Module, prefixes: list[str]) -> dict[str, torch.Tensor]:
+    """Buffers that belong in a state dict (not rotary caches) of the modules under `prefixes`."""
+    out = {}
+    for mod_name, mod in module.named_modules():
+        for name, buf in mod.named_buffers(recurse=False):
+            full = f"{mod_name}.{name}" if mod_name else name
+            if buf is not None and name not in mod._non_persistent_buffers_set and any(
+                    full.startswith(pre + ".") for pre in prefixes):
+                out[full] = buf.detach().to("cpu", copy=True).contiguous()
+    return out
+
+
+def _save_config(module: torch.nn.Module, out: str, tokenizer_src: str | None) -> None:
+    import copy
+
+    config = copy.deepcopy(module.config)
+    config.dtype = str(next(module.parameters()).dtype).split(".")[1]
+    config.architectures = [type(module).__name__]
+    config.save_pretrained(out)
+    if getattr(module, "generation_config", None) is not None:
+        module.generation_config.save_pretrained(out)
+    for name in os.listdir(tokenizer_src) if tokenizer_src else ():
+        if name.startswith(("tokenizer", "special_tokens", "generation_config", "vocab", "merges")):
+            shutil.copy(os.path.join(tokenizer_src, name), out)
 
 
 def _prune(root: str, keep_last: int) -> None:

@@ -1,25 +1,36 @@
 """Plan a run before it is queued: nodes and GPUs per role, per-GPU memory, and a verdict.
 
 Why: a 70B job that dies of OOM after two hours in the queue costs a day. The planner uses the same
-`Topology` the ranks build, so a layout it accepts is the layout srun starts, and it refuses a
-config that cannot fit, naming the term that does not.
+`Topology` the ranks build and reads the fields the learner and the searchers use, so a layout it
+accepts is the layout srun starts with the settings the roles apply, and it refuses a config that
+cannot fit, naming the term that does not.
 
-Learner, per GPU, ZeRO-3 over N learner GPUs (P parameters, bytes per parameter in brackets):
+Learner, per rank, ZeRO-3 over N learner ranks (P parameters, bytes per parameter in brackets):
   parameters [2 bf16 | 4 fp32] P/N, gradients [same] P/N, optimizer [12 bf16: fp32 master + Adam
-  m, v | 8 fp32: m, v] P/N (the optimizer, or the optimizer and the parameters, may be offloaded to
-  CPU), a frozen reference [2|4] P/N for losses with a KL/importance term, gathered layers (the
-  live layer, the prefetched one and the live layer's full gradient: 3 x largest layer x 2 bytes),
-  activations (Korthikanti et al. 2022 with flash attention: 34 b T h bytes per layer; with
-  activation checkpointing only each layer's input b T h x 2 bytes is kept plus one layer's
-  recompute) and the logits of the micro-batch (b T V x 10 bytes: bf16 logits, fp32 copy and
-  log-softmax). Usable: 90% of the GPU (CUDA context, NCCL buffers, fragmentation).
+  m, v | 8 fp32: m, v] P/N (`learner.offload_optimizer` / `offload_params` move them to host
+  memory), a frozen reference [2|4] P/N when the loss needs one (`LossConfig.needs_reference`;
+  its forward runs without gradients, before the policy's, so only its shards add up), gathered
+  layers (the live layer, the prefetched one and the live layer's full gradient: 3 x largest
+  layer), ZeRO-3's flat gradient reduce bucket (reduce_bucket_size elements, at most P), the
+  activations of one micro-batch of `learner.micro_batch_size` (0 = K) sequences of up to
+  `searcher.max_model_len` tokens (a prompt of at most max_model_len - max_new_tokens plus a
+  response of at most max_new_tokens), with or without `learner.gradient_checkpointing`, and
+  one chunk of logits (`learner.logprob_chunk_tokens` positions): see hpc_tba.memory for both
+  counts. Learner rank 0 also holds the weight sender's two slots of the largest bucket. Usable:
+  90% of the GPU (CUDA context, NCCL buffers, fragmentation).
 Engine, per GPU: weights P x bytes / TP, a fixed runtime overhead, and the KV cache in what is
   left of gpu_memory_utilization x GPU; 2 x layers x kv_heads x head_dim x bytes per token / TP.
   Refused when the weights do not fit or the cache cannot hold one max_model_len sequence (vLLM
   refuses to start then); fewer concurrent sequences than a round asks for is only a warning.
+Weight staging, per searcher (`searcher.staging`, hpc_tba.memory.staging_bytes): outside vLLM's
+  share, i.e. in 90% of (1 - gpu_memory_utilization) x GPU, or in host memory per node. `auto`
+  resolves to device when the whole version fits there, else host (the receiver's own rule,
+  comm.weight_sync.resolve_staging, with the memory vLLM leaves).
 
 The ZeRO-3 model-state figure is printed next to DeepSpeed's own estimator
 (`estimate_zero3_model_states_mem_needs*`, which budgets 18 bytes/param and a 1.5x CPU factor).
+`--dry-run` also builds the model on the meta device and runs the learner's and the sender's own
+code on it (hpc_tba.plan_dryrun), checking the plan's shapes and sizes against theirs.
 """
 from __future__ import annotations
 
@@ -32,64 +43,26 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from hpc_tba.memory import (
+    DTYPE_BYTES,
+    KNOWN_MODELS,
+    ModelSpec,
+    activation_bytes,
+    bucket_sizes,
+    logit_bytes,
+    spec_from_hf_config,
+    staging_bytes,
+)
+
 if TYPE_CHECKING:
     from hpc_tba.config import RunConfig
+
+__all__ = ["KNOWN_MODELS", "ModelSpec", "Plan", "PlanOptions", "format_plan", "make_plan",
+           "model_spec", "plan_main"]
 
 GiB = 2**30
 USABLE_FRACTION = 0.9
 ENGINE_OVERHEAD_GIB = 3.0
-REFERENCE_ALGOS = ("tb", "alol", "dpo", "grpo")
-DEFAULT_MICRO_BATCH = 4
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelSpec:
-    """Architecture numbers the planner needs (a Llama-style decoder)."""
-
-    name: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    tie_embeddings: bool = False
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
-    def layer_params(self) -> int:
-        h, kv = self.hidden_size, self.num_kv_heads * self.head_dim
-        return 2 * h * h + 2 * h * kv + 3 * h * self.intermediate_size + 2 * h
-
-    @property
-    def embedding_params(self) -> int:
-        return self.vocab_size * self.hidden_size
-
-    @property
-    def params(self) -> int:
-        heads = 1 if self.tie_embeddings else 2
-        return heads * self.embedding_params + self.num_layers * self.layer_params + self.hidden_size
-
-    @property
-    def largest_layer_params(self) -> int:
-        return max(self.embedding_params, self.layer_params)
-
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
-
-
-# Planner-only specs, keyed by a name the model path's directory name contains.
-KNOWN_MODELS: dict[str, ModelSpec] = {s.name: s for s in (
-    ModelSpec("llama-3.1-70b", 128256, 8192, 28672, 80, 64, 8),
-    ModelSpec("llama-3.1-8b", 128256, 4096, 14336, 32, 32, 8),
-    ModelSpec("llama-3.2-3b", 128256, 3072, 8192, 28, 24, 8, tie_embeddings=True),
-    ModelSpec("llama-3.2-1b", 128256, 2048, 8192, 16, 32, 8, tie_embeddings=True),
-    ModelSpec("qwen2.5-7b", 152064, 3584, 18944, 28, 28, 4),
-    ModelSpec("qwen2.5-72b", 152064, 8192, 29568, 80, 64, 8),
-)}
 
 
 def model_spec(cfg: RunConfig, arch: str | None = None) -> ModelSpec:
@@ -100,25 +73,29 @@ def model_spec(cfg: RunConfig, arch: str | None = None) -> ModelSpec:
             raise ValueError(f"unknown --arch {arch!r}; known: {', '.join(KNOWN_MODELS)}")
         return KNOWN_MODELS[arch]
     if m.path == "embedded":
-        # The tiny char-level Llama: vocabulary of a few dozen symbols; 4x MLP.
-        return ModelSpec("embedded", 64, m.hidden_size, 4 * m.hidden_size, m.num_layers,
-                         m.num_heads, m.num_heads, tie_embeddings=True)
+        return _embedded_spec(cfg)
     config_json = Path(m.path) / "config.json"
     if config_json.is_file():
-        hf = json.loads(config_json.read_text())
-        # GPT-2's config.json spells the sizes n_embd / n_layer / n_head / n_inner (None = 4 x width)
-        width, heads = hf.get("hidden_size", hf.get("n_embd")), hf.get("num_attention_heads", hf.get("n_head"))
-        return ModelSpec(Path(m.path).name, hf["vocab_size"], width,
-                         hf.get("intermediate_size") or hf.get("n_inner") or 4 * width,
-                         hf.get("num_hidden_layers", hf.get("n_layer")), heads,
-                         hf.get("num_key_value_heads") or heads,
-                         tie_embeddings=hf.get("tie_word_embeddings", hf.get("model_type") == "gpt2"))
+        return spec_from_hf_config(Path(m.path).name, json.loads(config_json.read_text()))
     key = Path(m.path).name.lower().replace("meta-", "")
     for name, spec in KNOWN_MODELS.items():
         if name in key:
             return spec
     raise ValueError(f"cannot tell the architecture of model.path={m.path!r}: no config.json "
                      f"there and no known name in it; pass --arch ({', '.join(KNOWN_MODELS)})")
+
+
+def _embedded_spec(cfg: RunConfig) -> ModelSpec:
+    """The tiny char-level Llama: its config.json once built, else the recipe of models.tiny."""
+    from hpc_tba.models import tiny
+    from hpc_tba.tasks import TaskConfig
+
+    m = cfg.model
+    built = tiny.embedded_model_dir(m, cfg.task if cfg.task.name == "arithmetic" else TaskConfig())
+    if (built / "config.json").is_file():
+        return spec_from_hf_config("embedded", json.loads((built / "config.json").read_text()))
+    return ModelSpec("embedded", len(tiny.SPECIALS) + len(tiny.ALPHABET), m.hidden_size, 2 * m.hidden_size,
+                     m.num_layers, m.num_heads, m.num_heads)
 
 
 @dataclasses.dataclass
@@ -132,74 +109,143 @@ class Plan:
     engine_gib: float = 0.0
     model_states_gib: float = 0.0
     deepspeed_gib: float | None = None
+    terms: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Bytes of each learner term per rank (keys: params, grads, optimizer, reference, gathered,
+    activations, logits) and of the searcher staging (staging_device, staging_host)."""
+    micro_batch: int = 0
+    """Sequences per micro-batch the learner runs (learner.micro_batch_size, 0 = K)."""
+    micro_batch_tokens: int = 0
+    """Token positions of the largest micro-batch (micro_batch x max_model_len)."""
+    staging: str = ""
+    """searcher.staging with auto resolved."""
+    buckets: list[int] = dataclasses.field(default_factory=list)
+    """Bytes of each weight-sync bucket on the wire, as the planner counts them."""
 
     @property
     def fits(self) -> bool:
         return not self.problems
 
-    def row(self, label: str, nbytes: float, note: str = "") -> float:
+    def row(self, label: str, nbytes: float, note: str = "", key: str = "") -> float:
         self.lines.append(f"    {label:<44} {nbytes / GiB:9.2f} GiB  {note}".rstrip())
+        if key:
+            self.terms[key] = nbytes
         return nbytes
 
 
 @dataclasses.dataclass(frozen=True)
 class PlanOptions:
-    """Learner settings the config does not carry yet (flags of `hpc-tba plan`)."""
+    """Flags of `hpc-tba plan` (every memory setting comes from the config)."""
 
     arch: str | None = None
-    micro_batch: int | None = None
-    offload: str = "none"  # none | optimizer | all
-    checkpointing: bool = True
+    """Architecture by name (hpc_tba.memory.KNOWN_MODELS) when model.path does not tell it."""
     deepspeed: bool = True
+    """Print DeepSpeed's own ZeRO-3 estimate next to ours."""
+    dry_run: bool = False
+    """Build the model on the meta device and check the plan against the roles' own code."""
+
+
+def micro_batch_of(cfg: RunConfig) -> int:
+    """Sequences in one learner micro-batch: learner.micro_batch_size, 0 = K, at most G x K."""
+    lr, k = cfg.learner, cfg.searcher.k
+    return min(lr.micro_batch_size or k, lr.prompts_per_step * k)
+
+
+def _model_states(plan: Plan, cfg: RunConfig, spec: ModelSpec, n: int) -> float:
+    lr = cfg.learner
+    pb, ob, p = DTYPE_BYTES[lr.dtype], 12 if lr.dtype == "bf16" else 8, spec.params
+    host = "(host memory)"
+    total = plan.row("parameters (sharded)", pb * p / n * (not lr.offload_params),
+                     host if lr.offload_params else "", key="params")
+    total += plan.row("gradients (sharded)", pb * p / n, key="grads")
+    total += plan.row("optimizer states (sharded)", ob * p / n * (not lr.offload_optimizer),
+                      host if lr.offload_optimizer else "", key="optimizer")
+    plan.model_states_gib = total / GiB
+    if cfg.algo.needs_reference:
+        total += plan.row(f"frozen reference for {cfg.algo.name} (sharded)",
+                          pb * p / n * (not lr.offload_params), key="reference")
+    else:
+        plan.terms["reference"] = 0
+    total += plan.row("gathered layers (live + prefetch + grad)", 3 * spec.largest_layer_params * pb,
+                      key="gathered")
+    # ZeRO-3 with contiguous gradients allocates one flat reduce bucket at initialize
+    bucket = min(_zero_option(cfg, "reduce_bucket_size", 500_000_000), p)
+    return total + plan.row("ZeRO-3 gradient reduce bucket", bucket * pb,
+                            f"{bucket:.3g} elements (zero_optimization.reduce_bucket_size)", key="reduce_bucket")
+
+
+def _zero_option(cfg: RunConfig, name: str, default: int) -> int:
+    """A zero_optimization setting of the learner's own DeepSpeed config, else DeepSpeed's default."""
+    from hpc_tba.roles.learner import deepspeed_config
+
+    ds = deepspeed_config(cfg.learner, micro_batch=micro_batch_of(cfg), train=True)
+    return int(ds["zero_optimization"].get(name, default))
+
+
+def _activations(plan: Plan, cfg: RunConfig, spec: ModelSpec) -> float:
+    lr, s = cfg.learner, cfg.searcher
+    a = DTYPE_BYTES[lr.dtype]
+    b = plan.micro_batch = micro_batch_of(cfg)
+    tokens = plan.micro_batch_tokens = b * s.max_model_len
+    act = activation_bytes(spec, tokens=tokens, dtype_bytes=a, checkpointing=lr.gradient_checkpointing)
+    src = "learner.micro_batch_size" if lr.micro_batch_size else "K (micro_batch_size 0)"
+    if lr.gradient_checkpointing:
+        total = plan.row("activations: layer inputs (checkpointing)", act.boundaries,
+                         f"{spec.num_layers} layers x {b} x {s.max_model_len} tokens ({src})")
+        total += plan.row("activations: one layer recomputed", act.live_layers)
+    else:
+        total = plan.row("activations: every layer (no checkpointing)", act.live_layers,
+                         f"{spec.num_layers} layers x {b} x {s.max_model_len} tokens ({src})")
+    plan.terms["activations"] = total
+    chunk = min(lr.logprob_chunk_tokens, b * s.max_new_tokens)
+    return total + plan.row("logits: one chunk (+ fp32 log-softmax, grad)",
+                            logit_bytes(spec, chunk_tokens=chunk, dtype_bytes=a),
+                            f"{chunk} positions x vocab {spec.vocab_size}", key="logits")
 
 
 def _learner(plan: Plan, cfg: RunConfig, spec: ModelSpec, opt: PlanOptions, gpus: int,
              capacity: float) -> None:
     c, lr = cfg.cluster, cfg.learner
     n = max(cfg.cluster.num_learners, 1)
-    pb = 2 if lr.dtype == "bf16" else 4
-    ob = 12 if lr.dtype == "bf16" else 8
-    p = spec.params
-    b = opt.micro_batch or getattr(lr, "micro_batch_size", 0) or DEFAULT_MICRO_BATCH
-    t = cfg.searcher.max_model_len
-    src = "" if opt.micro_batch or getattr(lr, "micro_batch_size", 0) else ", planner default"
     where = "GPUs" if gpus else "CPU ranks"
-    plan.lines.append(f"  learner, per rank (ZeRO-{lr.zero_stage} over {n} {where}, "
-                      f"{lr.dtype}, offload={opt.offload}):")
-    on_gpu = {"params": opt.offload != "all", "optim": opt.offload == "none"}
-    total = plan.row("parameters (sharded)", pb * p / n * on_gpu["params"])
-    total += plan.row("gradients (sharded)", pb * p / n)
-    total += plan.row("optimizer states (sharded)", ob * p / n * on_gpu["optim"],
-                      "" if on_gpu["optim"] else "(on CPU)")
-    plan.model_states_gib = total / GiB
-    if cfg.algo.name in REFERENCE_ALGOS:
-        total += plan.row(f"frozen reference for {cfg.algo.name} (sharded)", pb * p / n)
-    total += plan.row("gathered layers (live + prefetch + grad)", 3 * spec.largest_layer_params * pb)
-    tokens = b * t
-    h, layers = spec.hidden_size, spec.num_layers
-    if opt.checkpointing:
-        act = layers * tokens * h * 2 + 34 * tokens * h
-    else:
-        act = layers * 34 * tokens * h
-    ck = "ckpt" if opt.checkpointing else "no ckpt"
-    total += plan.row(f"activations ({ck})", act, f"micro-batch {b} x {t} tokens{src}")
-    total += plan.row("logits and log-probs of the micro-batch", tokens * spec.vocab_size * 10)
+    plan.lines.append(f"  learner, per rank (ZeRO-{lr.zero_stage} over {n} {where}, {lr.dtype}, "
+                      f"checkpointing={lr.gradient_checkpointing}, offload optimizer="
+                      f"{lr.offload_optimizer} params={lr.offload_params}):")
+    total = _model_states(plan, cfg, spec, n) + _activations(plan, cfg, spec)
+    # learner rank 0 gathers into two flat slots of the largest bucket (WeightSender)
+    total += plan.row("weight-sync send slots (rank 0)", 2 * max(plan.buckets) * (c.num_searchers > 0),
+                      f"2 x the largest bucket (learner.sync_bucket_mb {lr.sync_bucket_mb:g})", key="send_slots")
     plan.learner_gib = total / GiB
     if gpus:
         plan.lines.append(f"    {'total':<44} {total / GiB:9.2f} GiB  of {capacity / GiB:.2f} "
                           f"usable ({USABLE_FRACTION:.0%} of {c.gpu_memory_gb:g} GB)")
         if total > capacity:
-            plan.problems.append(
-                f"learner needs {total / GiB:.1f} GiB per GPU but {capacity / GiB:.1f} GiB are "
-                f"usable: add learner nodes, offload (--offload optimizer|all), or shrink the "
-                f"micro-batch")
-    if opt.offload != "none" and c.cpu_memory_gb:
-        host = (ob + (pb if opt.offload == "all" else 0)) * p / n * max(gpus, 1)
+            plan.problems.append(_learner_refusal(plan, cfg, total, capacity))
+    pb, ob = DTYPE_BYTES[lr.dtype], 12 if lr.dtype == "bf16" else 8
+    per_rank = (ob * lr.offload_optimizer + 2 * pb * lr.offload_params) * spec.params / n
+    if per_rank and c.cpu_memory_gb:
+        host = per_rank * max(gpus, 1)
         plan.lines.append(f"    host memory per node for offload: {host / GiB:.1f} GiB of "
                           f"{c.cpu_memory_gb * 1e9 / GiB:.1f}")
         if host > c.cpu_memory_gb * 1e9 * USABLE_FRACTION:
             plan.problems.append("offloaded optimizer states do not fit in host memory per node")
     _compare_deepspeed(plan, spec, opt, gpus, cfg)
+
+
+def _learner_refusal(plan: Plan, cfg: RunConfig, total: float, capacity: float) -> str:
+    """The reason a learner layout does not fit: the largest term and what would shrink it."""
+    lr, t = cfg.learner, plan.terms
+    head = f"learner needs {total / GiB:.1f} GiB per GPU but {capacity / GiB:.1f} GiB are usable"
+    states = t["params"] + t["grads"] + t["optimizer"] + t["reference"]
+    if t["activations"] >= states:
+        if not lr.gradient_checkpointing:
+            return (f"{head}: activations without gradient checkpointing take "
+                    f"{t['activations'] / GiB:.1f} GiB (every layer of {plan.micro_batch_tokens} "
+                    f"tokens): set learner.gradient_checkpointing=true or lower "
+                    f"learner.micro_batch_size")
+        return (f"{head}: activations of a {plan.micro_batch}-sequence micro-batch take "
+                f"{t['activations'] / GiB:.1f} GiB: lower learner.micro_batch_size")
+    return (f"{head}: model states take {states / GiB:.1f} GiB: add learner nodes, or offload "
+            f"(learner.offload_optimizer=true, learner.offload_params=true)")
 
 
 def _compare_deepspeed(plan: Plan, spec: ModelSpec, opt: PlanOptions, gpus: int,
@@ -221,8 +267,8 @@ def _compare_deepspeed(plan: Plan, spec: ModelSpec, opt: PlanOptions, gpus: int,
     nodes = max(cfg.cluster.num_learners // per_node, 1)
     _, ds_gpu, _ = estimate_zero3_model_states_mem_needs(
         total_params=spec.params, largest_layer_params=spec.largest_layer_params,
-        num_gpus_per_node=per_node, num_nodes=nodes, cpu_offload=opt.offload != "none",
-        cpu_offload_params=opt.offload == "all", zero_init=True)
+        num_gpus_per_node=per_node, num_nodes=nodes, cpu_offload=cfg.learner.offload_optimizer,
+        cpu_offload_params=cfg.learner.offload_params, zero_init=True)
     plan.deepspeed_gib = ds_gpu / GiB
     ours = plan.model_states_gib + 4 * spec.largest_layer_params / GiB
     plan.lines.append(
@@ -272,6 +318,44 @@ def _engine(plan: Plan, cfg: RunConfig, spec: ModelSpec, gpus: int) -> None:
                              f"{seqs}: vLLM will queue the rest (throughput, not failure)")
 
 
+def _wire(cfg: RunConfig) -> str:
+    from hpc_tba.roles.config import resolve_wire_dtype
+
+    return resolve_wire_dtype(cfg.learner, cfg.searcher)
+
+
+def _staging(plan: Plan, cfg: RunConfig, spec: ModelSpec, gpus: int) -> None:
+    """The searchers' weight staging (hpc_tba.memory.staging_bytes), outside vLLM's share."""
+    s, c = cfg.searcher, cfg.cluster
+    wire = _wire(cfg)
+    version, bucket = sum(plan.buckets), max(plan.buckets)
+    # what the receiver's resolve_staging compares with: 90% of the memory vLLM leaves free
+    room = c.gpu_memory_gb * 1e9 * (1 - s.gpu_memory_utilization) * USABLE_FRACTION if gpus else 0.0
+    mode = s.staging
+    if mode == "auto":
+        mode = "device" if gpus and staging_bytes("device", version_bytes=version,
+                                                  bucket_bytes=bucket).device_bytes <= room else "host"
+    st = staging_bytes(mode, version_bytes=version, bucket_bytes=bucket)
+    plan.lines.append(f"  weight staging, per searcher (searcher.staging={s.staging} -> {mode}; "
+                      f"{len(plan.buckets)} buckets of <= {bucket / 2**20:.0f} MiB, {wire} on the wire):")
+    dev = "GPU, beside vLLM's share" if gpus else "host memory (no GPU)"
+    plan.row(f"staging on the device ({dev})", st.device_bytes, key="staging_device")
+    plan.row("staging in pinned host memory", st.host_bytes, key="staging_host")
+    plan.staging = mode
+    if gpus and st.device_bytes > room:
+        plan.problems.append(
+            f"searcher.staging={mode} needs {st.device_bytes / GiB:.1f} GiB on the engine's GPU "
+            f"beside vLLM's share, but {room / GiB:.1f} GiB are left ({USABLE_FRACTION:.0%} of "
+            f"what gpu_memory_utilization {s.gpu_memory_utilization} leaves): use staging=host or "
+            f"stream, a smaller learner.sync_bucket_mb, or lower searcher.gpu_memory_utilization")
+    per_node = max(gpus // s.tensor_parallel_size, 1) if gpus else c.num_searchers
+    host = (st.host_bytes + (0 if gpus else st.device_bytes)) * per_node
+    if c.cpu_memory_gb and host > c.cpu_memory_gb * 1e9 * USABLE_FRACTION:
+        plan.problems.append(
+            f"weight staging needs {host / GiB:.1f} GiB of host memory per searcher node "
+            f"({per_node} searchers) of {c.cpu_memory_gb:g} GB: use searcher.staging=stream")
+
+
 def make_plan(cfg: RunConfig, opt: PlanOptions = PlanOptions()) -> Plan:
     """Build the plan for a composed config; layout errors become problems."""
     from hpc_tba.launcher.slurm import topology_of
@@ -296,9 +380,16 @@ def make_plan(cfg: RunConfig, opt: PlanOptions = PlanOptions()) -> Plan:
                       f"{f' = {c.num_searchers * topo.tp_size} GPUs' if gpus else ''}")
     plan.lines += [f"    {ln}" for ln in topo.describe().splitlines()] if topo.num_nodes <= 4 else []
     capacity = c.gpu_memory_gb * 1e9 * USABLE_FRACTION
+    plan.buckets = bucket_sizes(spec, bucket_bytes=int(cfg.learner.sync_bucket_mb * 2**20),
+                                wire_bytes=DTYPE_BYTES[_wire(cfg)])
     _learner(plan, cfg, spec, opt, gpus, capacity)
     if c.num_searchers:
         _engine(plan, cfg, spec, gpus)
+        _staging(plan, cfg, spec, gpus)
+    if opt.dry_run:
+        from hpc_tba.plan_dryrun import dry_run
+
+        dry_run(plan, cfg, spec)
     return plan
 
 
@@ -315,16 +406,12 @@ def _parse(argv: list[str]) -> tuple[list[str], PlanOptions]:
         key, _, val = a.partition("=")
         if key == "--arch":
             kw["arch"] = val or next(it)
-        elif key == "--micro-batch":
-            kw["micro_batch"] = int(val or next(it))
-        elif key == "--offload":
-            kw["offload"] = val or next(it)
-            if kw["offload"] not in ("none", "optimizer", "all"):
-                raise ValueError("--offload takes none, optimizer or all")
-        elif a == "--no-activation-checkpointing":
-            kw["checkpointing"] = False
+        elif a == "--dry-run":
+            kw["dry_run"] = True
         elif a == "--no-deepspeed":
             kw["deepspeed"] = False
+        elif key in _MOVED:
+            raise ValueError(f"{key} is a config field now: pass {_MOVED[key]}")
         elif a.startswith("--"):
             raise ValueError(f"unknown option {a}")
         else:
@@ -332,9 +419,14 @@ def _parse(argv: list[str]) -> tuple[list[str], PlanOptions]:
     return overrides, PlanOptions(**kw)
 
 
+_MOVED = {"--micro-batch": "learner.micro_batch_size=N",
+          "--offload": "learner.offload_optimizer=true / learner.offload_params=true",
+          "--no-activation-checkpointing": "learner.gradient_checkpointing=false"}
+
+
 def plan_main(argv: list[str]) -> int:
-    """`hpc-tba plan <overrides> [--arch A --micro-batch B --offload X ...]`: 0 fits, 1 refused,
-    2 the config or an option is wrong."""
+    """`hpc-tba plan <overrides> [--arch A] [--dry-run] [--no-deepspeed]`: 0 fits, 1 refused,
+    2 the config or an option is wrong. Memory settings are config overrides (learner.*)."""
     from hpc_tba.config import ConfigError, compose
 
     try:

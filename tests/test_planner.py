@@ -1,12 +1,17 @@
-"""The planner: 70B fits its stated cluster, too-small clusters are refused with the reason, and
-its ZeRO-3 model-state figure is printed next to DeepSpeed's own estimator."""
+"""The planner: 70B fits its stated cluster with the preset's learner settings, too-small clusters
+and settings are refused with the reason, memory terms follow the fields the roles use (micro
+batch, checkpointing, offload, log-prob chunk, reference, staging), the activation count matches
+what autograd saves, and the ZeRO-3 model-state figure is printed next to DeepSpeed's own."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
+import torch
 
 from hpc_tba.config import compose
+from hpc_tba.memory import spec_from_hf_config
 from hpc_tba.planner import KNOWN_MODELS, PlanOptions, make_plan, model_spec, plan_main
 
 FAST = PlanOptions(deepspeed=False)
@@ -51,9 +56,15 @@ def test_too_small_clusters_are_refused_with_the_reason(overrides, reason):
 
 
 def test_offload_moves_optimizer_states_off_the_gpu():
-    cfg = compose(["+experiment=tba_70b", "cluster.nodes=10", "cluster.num_learners=16"])
-    plan = make_plan(cfg, PlanOptions(deepspeed=False, offload="optimizer"))
+    small = ["+experiment=tba_70b", "cluster.nodes=10", "cluster.num_learners=16"]
+    plan = make_plan(compose(small), FAST)
+    assert not plan.fits and "learner.offload_optimizer=true" in plan.problems[0]
+    plan = make_plan(compose([*small, "learner.offload_optimizer=true"]), FAST)
     assert plan.fits, plan.problems
+    assert plan.terms["optimizer"] == 0 and plan.terms["params"] > 0
+    both = make_plan(compose([*small, "learner.offload_optimizer=true", "learner.offload_params=true"]), FAST)
+    assert both.terms["params"] == 0 and both.terms["reference"] == 0
+    assert any("host memory per node for offload" in ln for ln in both.lines)
 
 
 def test_embedded_tiny_config_plans_on_cpu():
@@ -82,3 +93,121 @@ def test_plan_main_prints_deepspeed_comparison_and_exit_codes(capsys):
     assert plan_main(["+experiment=tba_70b", "cluster.gpu_memory_gb=40", "--no-deepspeed"]) == 1
     assert "REFUSED" in capsys.readouterr().out
     assert plan_main(["--bogus"]) == 2
+    assert plan_main(["+experiment=tba_70b", "--micro-batch", "4"]) == 2
+    assert "learner.micro_batch_size" in capsys.readouterr().err
+
+
+def test_70b_preset_prints_activation_logit_and_staging_memory(capsys):
+    assert plan_main(["+experiment=tba_70b", "--no-deepspeed"]) == 0
+    out = capsys.readouterr().out
+    for label in ("activations: layer inputs (checkpointing)", "activations: one layer recomputed",
+                  "logits: one chunk", "staging on the device", "staging in pinned host memory"):
+        assert label in out, label
+    plan = make_plan(compose(["+experiment=tba_70b"]), FAST)
+    assert (plan.micro_batch, plan.micro_batch_tokens) == (8, 8 * 1024)  # the preset's micro batch
+    assert plan.staging == "host"  # 141 GB of bf16 weights do not fit beside vLLM on 80 GB
+
+
+def test_70b_without_checkpointing_is_refused_naming_the_reason(capsys):
+    assert plan_main(["+experiment=tba_70b", "--no-deepspeed", "learner.gradient_checkpointing=false"]) == 1
+    out = capsys.readouterr().out
+    assert "REFUSED" in out and "activations without gradient checkpointing" in out
+    assert "learner.gradient_checkpointing=true" in out
+
+
+def test_terms_follow_the_learner_fields():
+    base = ["+experiment=tba_70b"]
+    ref = make_plan(compose(base), FAST).terms
+    double = make_plan(compose([*base, "learner.micro_batch_size=16"]), FAST).terms
+    assert double["activations"] == pytest.approx(2 * ref["activations"], rel=1e-6)
+    assert double["logits"] == ref["logits"]  # one chunk, whatever the micro batch
+    quarter = make_plan(compose([*base, "learner.logprob_chunk_tokens=256"]), FAST).terms
+    assert quarter["logits"] == pytest.approx(ref["logits"] / 4)
+    spec = KNOWN_MODELS["llama-3.1-70b"]
+    assert ref["logits"] == 1024 * spec.vocab_size * (2 + 4 + 4)  # bf16 head, fp32 log-softmax + grad
+    # micro_batch_size 0 = K, and never more than the G x K sequences of a step
+    k = make_plan(compose([*base, "learner.micro_batch_size=0"]), FAST)
+    assert k.micro_batch == 20
+    g = make_plan(compose([*base, "learner.micro_batch_size=64"]), FAST)
+    assert g.micro_batch == 20  # prompts_per_step 1 x K 20
+    # checkpointing keeps one hidden state per layer and token, plus one layer's full activations
+    no_ck = make_plan(compose([*base, "learner.gradient_checkpointing=false"]), FAST).terms
+    per_layer_token = sum(spec.layer_activation_bytes_per_token(2).values())
+    tokens = 8 * 1024
+    head = tokens * spec.hidden_size * 6
+    assert no_ck["activations"] == spec.num_layers * per_layer_token * tokens + head
+    assert ref["activations"] == spec.num_layers * tokens * spec.hidden_size * 2 + head + per_layer_token * tokens
+
+
+def test_reference_is_counted_only_when_the_loss_needs_one():
+    tb = make_plan(compose(["+experiment=tba_70b"]), FAST)
+    topr = make_plan(compose(["+experiment=tba_70b", "algo=topr"]), FAST)
+    assert tb.terms["reference"] == pytest.approx(2 * KNOWN_MODELS["llama-3.1-70b"].params / 64)
+    assert topr.terms["reference"] == 0
+    assert tb.learner_gib - topr.learner_gib == pytest.approx(tb.terms["reference"] / 2**30)
+
+
+@pytest.mark.parametrize("overrides, mode, device_buckets, host_versions", [
+    ([], "host", 1, 1),  # auto: 16 GB do not fit in the 4 GB beside vLLM's 85%
+    (["searcher.gpu_memory_utilization=0.5"], "device", None, 0),  # auto: 32 GB left, the version fits
+    (["searcher.staging=stream"], "stream", 2, 0),
+    (["searcher.staging=host"], "host", 1, 1),
+])
+def test_staging_sizes_per_mode(overrides, mode, device_buckets, host_versions):
+    plan = make_plan(compose(["+experiment=tba_8b", *overrides]), FAST)
+    assert plan.fits, plan.problems
+    assert plan.staging == mode
+    version, bucket = sum(plan.buckets), max(plan.buckets)
+    assert version == KNOWN_MODELS["llama-3.1-8b"].params * 2  # bf16 engines: bf16 on the wire
+    want_dev = version + bucket if device_buckets is None else device_buckets * bucket
+    assert plan.terms["staging_device"] == want_dev
+    assert plan.terms["staging_host"] == host_versions * version
+
+
+def test_staging_that_cannot_fit_is_refused():
+    plan = make_plan(compose(["+experiment=tba_70b", "searcher.staging=device"]), FAST)
+    assert not plan.fits
+    assert any("searcher.staging=device needs" in p and "staging=host or stream" in p for p in plan.problems)
+    host = make_plan(compose(["+experiment=tba_70b", "cluster.cpu_memory_gb=200"]), FAST)
+    assert any("searcher.staging=stream" in p for p in host.problems), host.problems
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layer_activation_count_matches_what_autograd_saves(dtype):
+    """The per-layer count (hpc_tba.memory) against the tensors a transformers Llama layer keeps."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=688, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
+    model = LlamaForCausalLM(cfg).to(dtype)
+    b, t = 2, 64
+    hidden = model.model.embed_tokens(torch.randint(0, 512, (b, t))).detach().requires_grad_()
+    pos = torch.arange(t)[None].expand(b, -1)
+    rope = model.model.rotary_emb(hidden, pos)
+    saved: dict[int, int] = {}
+
+    def keep(x):
+        saved[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda x: x):
+        model.model.layers[0](hidden, position_embeddings=rope, attention_mask=None, position_ids=pos)
+    not_activations = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    not_activations.add(hidden.untyped_storage().data_ptr())  # the layer input: a boundary
+    measured = sum(n for ptr, n in saved.items() if ptr not in not_activations)
+    spec = spec_from_hf_config("tiny", cfg.to_dict())
+    counted = b * t * sum(spec.layer_activation_bytes_per_token(dtype.itemsize).values())
+    assert 0.85 <= measured / counted <= 1.05, (measured, counted)  # a slight over-count is safe
+
+
+def test_embedded_spec_matches_the_embedded_model(monkeypatch, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from hpc_tba.models.tiny import resolve_model_path
+
+    cfg = compose([])
+    built = AutoModelForCausalLM.from_pretrained(resolve_model_path(cfg.model, cfg.task))
+    assert model_spec(cfg).params == sum(p.numel() for p in built.parameters())
+    # before it is built (another cache directory): the recipe gives the same shapes
+    unbuilt = compose([f"model.cache_dir={tmp_path}"])
+    assert model_spec(unbuilt) == dataclasses.replace(model_spec(cfg), head_dim_override=None)

@@ -1,0 +1,148 @@
+"""`hpc-tba plan --dry-run`: the plan checked against the roles' own code on a meta-device model.
+
+Why: the planner's arithmetic (hpc_tba.memory) is a model of what the learner and the searchers
+allocate; if it drifts from their code (another bucket rule, a micro-batch that packs more rows),
+the plan is wrong exactly where it matters. The dry run builds the real model on the meta device
+(shapes and dtypes, no storage: a 70B model in a second) and runs on it the code the roles run:
+
+- the weight-sync manifest (`Manifest.build` with the learner's arguments) and the sender's two
+  staging slots (`WeightSender` allocates them on the model's device, meta here);
+- the learner's micro-batch split (`roles.microbatch.plan`) of a worst-case step (G x K sequences
+  of max_model_len tokens) and its packing (`roles.policy.pack`) of each micro-batch;
+- the receiver's staging (`staging_bytes`, `resolve_staging` with the memory vLLM leaves);
+- the export's layer groups (`checkpoint.layer_groups`: the most any rank gathers at the end).
+
+Each figure is printed next to the plan's and a mismatch is a problem (the plan is refused).
+
+The model config: `model.path/config.json` when it exists (the real model's own config, read by
+transformers' AutoConfig), otherwise a transformers config of the planner's architecture (a
+`--arch`, or the known model named in the path: for the 70B preset a Llama-3.1-70B-shaped
+LlamaConfig). Only shapes matter on the meta device, so rope and norm settings keep their
+defaults. Runs on CPU in seconds.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from hpc_tba.memory import DTYPE_BYTES, GiB, ModelSpec
+
+if TYPE_CHECKING:
+    from hpc_tba.config import RunConfig
+    from hpc_tba.planner import Plan
+
+
+def hf_config(cfg: RunConfig, spec: ModelSpec):
+    """The transformers config of the model (module docstring: config.json, else the spec)."""
+    from transformers import AutoConfig
+
+    path = Path(cfg.model.path)
+    if (path / "config.json").is_file():
+        return AutoConfig.from_pretrained(str(path)), f"{path}/config.json"
+    kw = dict(vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
+              intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_layers,
+              num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
+              tie_word_embeddings=spec.tie_embeddings, max_position_embeddings=cfg.searcher.max_model_len)
+    if spec.head_dim_override:
+        kw["head_dim"] = spec.head_dim_override
+    if spec.model_type == "llama":
+        kw["attention_bias"] = spec.qkv_bias
+    return AutoConfig.for_model(spec.model_type, **kw), f"{spec.model_type} config of {spec.name}"
+
+
+def meta_model(cfg: RunConfig, spec: ModelSpec):
+    """The policy on the meta device in the learner's dtype."""
+    from transformers import AutoModelForCausalLM
+
+    config, source = hf_config(cfg, spec)
+    dtype = torch.bfloat16 if cfg.learner.dtype == "bf16" else torch.float32
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model, source
+
+
+def _check(plan: Plan, label: str, planned, actual, unit: str = "") -> None:
+    """One row: the plan's figure, the code's figure, and a problem when they differ."""
+    def fmt(x):
+        return f"{x / GiB:.3f} GiB" if unit == "GiB" else f"{x}"
+
+    ok = planned == actual
+    plan.lines.append(f"    {label:<44} plan {fmt(planned):>14}  code {fmt(actual):>14}  "
+                      f"{'ok' if ok else 'MISMATCH'}")
+    if not ok:
+        plan.problems.append(f"dry run: {label}: the plan says {fmt(planned)}, the code "
+                             f"{fmt(actual)} (the planner's model of the roles is out of date)")
+
+
+def _manifest(plan: Plan, cfg: RunConfig, model) -> object:
+    from hpc_tba.comm.weight_sync import Manifest, WeightSender
+    from hpc_tba.roles.config import resolve_wire_dtype
+
+    lr = dataclasses.replace(cfg.learner, sync_wire_dtype=resolve_wire_dtype(cfg.learner, cfg.searcher))
+    # the learner's call (roles/learner.py), on the meta parameters
+    manifest = Manifest.build(
+        [(n, tuple(getattr(p, "ds_shape", p.shape))) for n, p in model.named_parameters()],
+        bucket_bytes=int(lr.sync_bucket_mb * 2**20), wire_dtype=lr.sync_wire_dtype)
+    item = torch.empty((), dtype=manifest.dtype).element_size()
+    sizes = [manifest.bucket_numel(b) * item for b in range(len(manifest.buckets))]
+    _check(plan, "weight-sync bytes per version", sum(plan.buckets), manifest.total_bytes, "GiB")
+    _check(plan, "weight-sync buckets", len(plan.buckets), len(sizes))
+    _check(plan, "largest bucket", max(plan.buckets), max(sizes), "GiB")
+    sender = WeightSender(model, manifest, None, device="meta")
+    sender._free_slot(0, 0)  # allocates both staging slots, as the first send does
+    slots = sum(s.numel() * s.element_size() for s in sender._slots)
+    _check(plan, "sender staging slots (learner rank 0)", plan.terms["send_slots"], slots, "GiB")
+    return manifest
+
+
+def _micro_batches(plan: Plan, cfg: RunConfig) -> None:
+    from hpc_tba.roles import microbatch
+    from hpc_tba.roles.policy import pack
+
+    s, g, k = cfg.searcher, cfg.learner.prompts_per_step, cfg.searcher.k
+    prompt_len, resp_len = s.max_model_len - s.max_new_tokens, s.max_new_tokens
+    lengths = np.full(g * k, prompt_len + resp_len)
+    groups = np.repeat(np.arange(g), k)
+    split = microbatch.plan(lengths, groups, cfg.learner.micro_batch_size or k)
+    prompt, response = np.zeros(prompt_len, dtype=np.int64), np.zeros(resp_len, dtype=np.int64)
+    shapes = [tuple(pack([prompt] * len(rows), [response] * len(rows), pad_id=0).input_ids.shape)
+              for rows in split.rows]
+    plan.lines.append(f"    micro-batches of a worst-case step ({g} x {k} sequences of "
+                      f"{s.max_model_len} tokens): {len(shapes)} x {shapes[0]}"
+                      f"{'' if len(set(shapes)) == 1 else f' .. {shapes[-1]}'}")
+    _check(plan, "sequences in the largest micro-batch", plan.micro_batch, max(r for r, _ in shapes))
+    _check(plan, "tokens in the largest micro-batch", plan.micro_batch_tokens, max(math.prod(x) for x in shapes))
+
+
+def _staging(plan: Plan, cfg: RunConfig, manifest) -> None:
+    from hpc_tba.comm.weight_sync import resolve_staging, staging_bytes
+
+    c, s = cfg.cluster, cfg.searcher
+    device = "cuda" if c.gpus_per_node else "cpu"
+    left = int(c.gpu_memory_gb * 1e9 * (1 - s.gpu_memory_utilization))  # what vLLM leaves free
+    mode = resolve_staging(s.staging, device, manifest, free_bytes=left)
+    _check(plan, f"searcher.staging={s.staging} resolves to", plan.staging, mode)
+    planned = plan.terms["staging_device"] + plan.terms["staging_host"]
+    _check(plan, f"receiver staging ({mode})", planned, staging_bytes(manifest, mode), "GiB")
+
+
+def dry_run(plan: Plan, cfg: RunConfig, spec: ModelSpec) -> None:
+    """Append the dry run's rows (and any mismatch as a problem) to `plan`."""
+    from hpc_tba import checkpoint
+
+    model, source = meta_model(cfg, spec)
+    plan.lines.append(f"  dry run on the meta device ({source}, {cfg.learner.dtype}):")
+    params = sum(p.numel() for p in model.parameters())
+    _check(plan, "parameters", spec.params, params)
+    pb = DTYPE_BYTES[cfg.learner.dtype]
+    largest = max(sum(p.numel() for _, p in ps) for _, ps in checkpoint.layer_groups(model))
+    _check(plan, "largest layer (export gather)", spec.largest_layer_params * pb, largest * pb, "GiB")
+    if cfg.cluster.num_searchers:
+        manifest = _manifest(plan, cfg, model)
+        _staging(plan, cfg, manifest)
+    _micro_batches(plan, cfg)

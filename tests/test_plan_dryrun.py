@@ -1,0 +1,77 @@
+"""`hpc-tba plan --dry-run`: the 70B model on the meta device through the learner's and the sender's
+own code (manifest, buckets, sender slots, micro-batch shapes, receiver staging), checked against
+the plan on CPU in seconds; a planner that drifts from the code is refused."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from hpc_tba.config import compose
+from hpc_tba.planner import PlanOptions, make_plan, plan_main
+
+DRY = PlanOptions(deepspeed=False, dry_run=True)
+CHECKS = ("parameters", "largest layer (export gather)", "weight-sync bytes per version",
+          "weight-sync buckets", "largest bucket", "sender staging slots (learner rank 0)",
+          "resolves to", "receiver staging", "sequences in the largest micro-batch",
+          "tokens in the largest micro-batch")
+
+
+def test_70b_dry_run_agrees_with_the_plan_in_seconds(capsys):
+    t0 = time.time()
+    assert plan_main(["--dry-run", "--no-deepspeed", "+experiment=tba_70b"]) == 0
+    assert time.time() - t0 < 60
+    out = capsys.readouterr().out
+    assert "dry run on the meta device (llama config of llama-3.1-70b, bf16)" in out
+    rows = [ln for ln in out.splitlines() if " plan " in ln and " code " in ln]
+    for check in CHECKS:
+        assert any(check in r and r.endswith("ok") for r in rows), check
+    assert "MISMATCH" not in out and out.rstrip().endswith("FITS")
+    assert "micro-batches of a worst-case step (1 x 20 sequences of 1024 tokens): 3 x (8, 1024)" in out
+
+
+@pytest.mark.parametrize("overrides", [
+    ["+experiment=tba_8b"],
+    ["+experiment=tba_8b", "searcher.gpu_memory_utilization=0.5"],  # auto -> device staging
+    ["+experiment=tba_8b", "searcher.staging=stream", "learner.micro_batch_size=0"],  # K per micro-batch
+    [],  # the embedded CPU config
+])
+def test_dry_run_agrees_on_other_layouts(overrides):
+    plan = make_plan(compose(overrides), DRY)
+    assert plan.fits, plan.problems
+    assert sum(" code " in ln for ln in plan.lines) == len(CHECKS)
+
+
+def test_a_planner_that_drifts_from_the_code_is_refused(monkeypatch):
+    import hpc_tba.planner as planner
+    real = planner.bucket_sizes
+    # a planner that forgot that a bucket closes before the parameter that would overflow it
+    monkeypatch.setattr(planner, "bucket_sizes", lambda spec, bucket_bytes, wire_bytes: real(
+        spec, bucket_bytes=2 * bucket_bytes, wire_bytes=wire_bytes))
+    plan = make_plan(compose(["+experiment=tba_70b"]), DRY)
+    assert not plan.fits
+    assert any(p.startswith("dry run: weight-sync buckets: the plan says") for p in plan.problems)
+    assert make_plan(compose(["+experiment=tba_70b"]), PlanOptions(deepspeed=False)).fits  # no dry run
+
+
+def test_dry_run_reads_config_json_when_the_model_is_there(tmp_path):
+    """A Qwen2-shaped config.json (q/k/v biases): the spec and the real transformers model agree."""
+    (tmp_path / "config.json").write_text(json.dumps(dict(
+        model_type="qwen2", architectures=["Qwen2ForCausalLM"], vocab_size=1000, hidden_size=256,
+        intermediate_size=512, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        tie_word_embeddings=False)))
+    plan = make_plan(compose([f"model.path={tmp_path}"]), DRY)
+    assert plan.fits, plan.problems
+    assert any(f"dry run on the meta device ({tmp_path}/config.json" in ln for ln in plan.lines)
+
+
+def test_cli_dry_run():
+    out = subprocess.run([sys.executable, "-m", "hpc_tba.cli", "plan", "--dry-run", "--no-deepspeed",
+                          "+experiment=tba_70b", "learner.gradient_checkpointing=false"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1, out.stderr
+    assert "activations without gradient checkpointing" in out.stdout
+    assert "dry run on the meta device" in out.stdout  # the dry run runs on a refused plan too

@@ -1,0 +1,279 @@
+"""Benchmark: one learner step, ours against a plain ZeRO-3 step, and the planner's memory.
+
+    DS_ACCELERATOR=cpu python tools/bench_learner.py [--sizes 10m 50m 100m] [--k 16] [--micro 8]
+        [--algo tb] [--checkpointing] [--steps 1] [--threads 2]
+
+Llama-shaped models (built locally with random weights under ~/.cache/hpc_tba/bench_models; no
+download), prompt 256 + response 512 tokens, one prompt group of K responses per step, on one
+learner rank (DeepSpeed ZeRO-3 on its CPU accelerator, gloo). Every measurement runs in a fresh
+process (`--child`), so one measurement's allocations never count in another's peak:
+
+- ours:  `Learner.train_step` of the real Learner (built from the composed config, as a run builds
+  it) on a fixed batch: micro-batches of `learner.micro_batch_size`, the loss (`--algo`, with its
+  reference model when the loss needs one), gradient accumulation, one optimizer step;
+- plain: `deepspeed.initialize` on the same model with the same ZeRO-3 settings, then per
+  micro-batch forward with transformers' own causal-LM loss on the response tokens, `backward`,
+  and `step` (DeepSpeed's gradient accumulation), on the same sequences;
+- plan:  `hpc_tba.planner.make_plan` for the same config (its learner total per rank).
+
+tokens/s: prompt + response tokens of the step / seconds of the timed steps (after one warm-up
+step, which also allocates Adam's states). Peak memory per rank: the high-water mark of the
+process's resident memory (VmHWM, reset through /proc/self/clear_refs once the model is built,
+so the checkpoint's memory-mapped files do not count) minus the resident memory after imports
+and process-group setup, before the model is built. The measured processes run with a fixed
+glibc mmap threshold (`--mmap-threshold`, 1 MiB): with glibc's dynamic threshold, freed tensors
+of up to 32 MiB stay in the heap and every micro-batch fragments it further, so resident memory
+grew with the number of micro-batches while the live tensors did not (10m model, K=8: 1.76 GiB
+resident with the default vs 1.14 GiB with the fixed threshold; K=64: 1.19 GiB fixed). The
+fixed threshold costs page faults (tokens/s lower for both sides alike). Timings are ratios measured in one run on a
+shared machine: only the ratios mean something.
+
+Last lines (3 significant digits): ours/plain tokens/s and measured/planned peak of the largest
+model measured, and the peak of ours with K=64 over K=8 at the same micro batch (smallest model).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+PROMPT, RESPONSE = 256, 512
+SIZES = {  # name: (vocab, hidden, layers, heads, kv heads, intermediate); head_dim 64
+    "10m": (8192, 256, 6, 4, 4, 768),
+    "50m": (16384, 512, 10, 8, 4, 1536),
+    "100m": (16384, 768, 12, 12, 4, 2048),
+    "400m": (32000, 1024, 24, 16, 8, 2816),
+}
+ROOT = os.path.expanduser("~/.cache/hpc_tba/bench_models")
+
+
+def build_model(size: str) -> str:
+    """A random-weight Llama of `size` in HF format with the embedded model's tokenizer (the token
+    ids of the batch are random below the model's vocabulary; only the pad id is read)."""
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hpc_tba.models.config import ModelConfig
+    from hpc_tba.models.tiny import resolve_model_path
+    from hpc_tba.tasks import TaskConfig
+
+    path = os.path.join(ROOT, size)
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    vocab, h, layers, heads, kv, inter = SIZES[size]
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=h, num_hidden_layers=layers, num_attention_heads=heads,
+                      num_key_value_heads=kv, intermediate_size=inter, max_position_embeddings=1024,
+                      tie_word_embeddings=False)
+    tmp = path + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    LlamaForCausalLM(cfg).save_pretrained(tmp, safe_serialization=True)
+    tok = resolve_model_path(ModelConfig(), TaskConfig())
+    for name in os.listdir(tok):
+        if name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(os.path.join(tok, name), tmp)
+    os.replace(tmp, path)
+    return path
+
+
+def run_config(path: str, *, k: int, micro: int, algo: str, checkpointing: bool):
+    from hpc_tba.config import compose
+
+    return compose([f"model.path={path}", f"algo={algo}", f"searcher.k={k}", "learner.prompts_per_step=1",
+                    f"learner.micro_batch_size={micro}", f"learner.gradient_checkpointing={checkpointing}",
+                    f"searcher.max_model_len={PROMPT + RESPONSE}", f"searcher.max_new_tokens={RESPONSE}",
+                    "learner.dtype=fp32", "cluster.num_learners=1", "cluster.num_searchers=0"])
+
+
+def make_batch(vocab: int, k: int, seed: int = 0):
+    import numpy as np
+
+    from hpc_tba.messages import SampledBatch
+
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(3, vocab, PROMPT).astype(np.int32)
+    return SampledBatch(
+        prompt_ids=np.zeros(k, dtype=np.int64), group_ids=np.zeros(k, dtype=np.int64),
+        prompt_tokens=[prompt] * k,
+        response_tokens=[rng.integers(3, vocab, RESPONSE).astype(np.int32) for _ in range(k)],
+        rewards=rng.random(k).astype(np.float32),
+        logp_behavior=[-rng.random(RESPONSE).astype(np.float32) * 5 for _ in range(k)],
+        policy_versions=np.zeros(k, dtype=np.int64))
+
+
+def _rss(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _ours(cfg, path: str, run_dir: str, *, transport):
+    from hpc_tba.buffer import BufferShard
+    from hpc_tba.roles.config import resolve_wire_dtype
+    from hpc_tba.roles.learner import Learner
+    from hpc_tba.topology import Topology
+
+    shard = BufferShard(cfg.buffer, directory=os.path.join(run_dir, "buffer"))
+    lr = dataclasses.replace(cfg.learner, sync_wire_dtype=resolve_wire_dtype(cfg.learner, cfg.searcher))
+    learner = Learner(cfg=lr, loss=cfg.algo, shard=shard, k=cfg.searcher.k,
+                      temperature=cfg.searcher.temperature, model_path=path, transport=transport,
+                      topo=Topology.build(1, 1, 0, needs_searchers=False), sync_group=None, run_dir=run_dir)
+    return learner.train_step
+
+
+def _plain(cfg, path: str, run_dir: str):
+    """A plain ZeRO-3 step: the learner's DeepSpeed settings, DeepSpeed's accumulation, HF's loss."""
+    import deepspeed
+    import torch
+
+    from hpc_tba.models.loading import load_causal_lm
+    from hpc_tba.roles.learner import deepspeed_config
+    from hpc_tba.roles.policy import pack
+
+    micro = cfg.learner.micro_batch_size or cfg.searcher.k
+    ds = deepspeed_config(cfg.learner, micro_batch=micro, train=True)
+    ds["gradient_accumulation_steps"] = -(-cfg.searcher.k // micro)
+    model = load_causal_lm(path, dtype=torch.float32, zero3_config=ds, rank=0)
+    if cfg.learner.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-6),
+                                      config=ds)
+
+    def step(batch):
+        for s in range(0, batch.size, micro):
+            p = pack(batch.prompt_tokens[s:s + micro], batch.response_tokens[s:s + micro], pad_id=0)
+            labels = p.input_ids.masked_fill(p.attention_mask == 0, -100)
+            labels[:, :PROMPT] = -100  # the loss on response tokens only
+            engine.backward(engine(input_ids=p.input_ids, attention_mask=p.attention_mask, labels=labels).loss)
+            engine.step()
+    return step
+
+
+def child(args: dict) -> dict:
+    """One measurement in this (fresh) process."""
+    import torch
+
+    torch.set_num_threads(args["threads"])
+    import deepspeed
+
+    from hpc_tba.comm.groups import free_ports
+
+    port = free_ports(1)[0]
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    deepspeed.init_distributed("gloo", auto_mpi_discovery=False, rank=0, world_size=1,
+                               init_method=f"tcp://127.0.0.1:{port}", verbose=False)
+    cfg = run_config(args["path"], k=args["k"], micro=args["micro"], algo=args["algo"],
+                     checkpointing=args["checkpointing"])
+    batch = make_batch(SIZES[args["size"]][0], args["k"])
+    # everything imported and MPI started before the baseline: only the step's memory is counted
+    import transformers.models.llama.modeling_llama  # noqa: F401
+
+    from hpc_tba.comm.transport import MPITransport
+    from hpc_tba.models import loading  # noqa: F401
+    from hpc_tba.roles import learner  # noqa: F401
+
+    transport = MPITransport()
+    base = _rss("VmRSS")
+    with tempfile.TemporaryDirectory() as run_dir:
+        build = functools.partial(_ours, transport=transport) if args["mode"] == "ours" else _plain
+        step = build(cfg, args["path"], run_dir)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset VmHWM: the load's mapped files are closed by now
+        t0 = time.perf_counter()
+        step(batch)  # warm-up: Adam allocates its states
+        dt = time.perf_counter() - t0
+        if args["steps"]:
+            t0 = time.perf_counter()
+            for _ in range(args["steps"]):
+                step(batch)
+            dt = (time.perf_counter() - t0) / args["steps"]
+    return {"tokens_per_s": args["k"] * (PROMPT + RESPONSE) / dt, "step_s": dt, "peak": _rss("VmHWM") - base}
+
+
+def measure(mode: str, path: str, size: str, a, *, k: int) -> dict:
+    spec = dict(mode=mode, path=path, size=size, k=k, micro=a.micro, algo=a.algo,
+                checkpointing=a.checkpointing, steps=a.steps, threads=a.threads)
+    path_env = os.pathsep.join(filter(None, [sys.path[0], os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS=str(a.threads), TOKENIZERS_PARALLELISM="false",
+               HPC_TBA_NO_PROGRESS="1", PYTHONPATH=path_env)
+    if a.mmap_threshold:  # module docstring: resident memory then follows the live tensors
+        env["MALLOC_MMAP_THRESHOLD_"] = str(a.mmap_threshold)
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)],
+                         capture_output=True, text=True, env=env, timeout=a.timeout)
+    if out.returncode != 0:
+        raise RuntimeError(f"{mode} {size} K={k} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def planned(path: str, a, *, k: int) -> float:
+    from hpc_tba.planner import PlanOptions, make_plan
+
+    plan = make_plan(run_config(path, k=k, micro=a.micro, algo=a.algo, checkpointing=a.checkpointing),
+                     PlanOptions(deepspeed=False))
+    return plan.learner_gib * 2**30
+
+
+def fmt(x: float) -> str:
+    return f"{x:.3g}"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", nargs="+", default=["10m", "50m"], choices=list(SIZES))
+    ap.add_argument("--k", type=int, default=16, help="responses in the step (one prompt group)")
+    ap.add_argument("--micro", type=int, default=8, help="learner.micro_batch_size")
+    ap.add_argument("--algo", default="tb")
+    ap.add_argument("--checkpointing", action="store_true", help="learner.gradient_checkpointing")
+    ap.add_argument("--steps", type=int, default=1, help="timed steps after one warm-up step (0: time the warm-up)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--mmap-threshold", type=int, default=2**20,
+                    help="glibc M_MMAP_THRESHOLD of the measured processes (0: glibc's dynamic default)")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        print(json.dumps(child(json.loads(a.child))), flush=True)
+        return 0
+    print(f"bench_learner: prompt {PROMPT} + response {RESPONSE} tokens, K={a.k}, micro batch {a.micro}, "
+          f"algo {a.algo}, checkpointing {a.checkpointing}, 1 rank, {a.threads} threads, "
+          f"mmap threshold {a.mmap_threshold or 'glibc default'}", flush=True)
+    rows = {}
+    for size in a.sizes:
+        path = build_model(size)
+        ours, plain = measure("ours", path, size, a, k=a.k), measure("plain", path, size, a, k=a.k)
+        plan = planned(path, a, k=a.k)
+        rows[size] = (ours, plain, plan)
+        print(f"  {size:>5}: ours {ours['tokens_per_s']:8.1f} tok/s peak {ours['peak'] / 2**30:6.2f} GiB | "
+              f"plain {plain['tokens_per_s']:8.1f} tok/s peak {plain['peak'] / 2**30:6.2f} GiB | "
+              f"planned {plan / 2**30:6.2f} GiB", flush=True)
+    small = build_model(a.sizes[0])
+    mem_only = argparse.Namespace(**{**vars(a), "steps": 0})  # the peak needs one step, not a timing
+    k8, k64 = (measure("ours", small, a.sizes[0], mem_only, k=k) for k in (8, 64))
+    print(f"  {a.sizes[0]:>5}: ours K=8 peak {k8['peak'] / 2**30:.2f} GiB, K=64 peak {k64['peak'] / 2**30:.2f} GiB "
+          f"(micro batch {a.micro}; planned {planned(small, a, k=8) / 2**30:.2f} / "
+          f"{planned(small, a, k=64) / 2**30:.2f} GiB)", flush=True)
+    not_run = [s for s in SIZES if s not in a.sizes]
+    if not_run:
+        print(f"  not run: {', '.join(not_run)} (--sizes; 2 cores: minutes per step beyond 100m)")
+    ours, plain, plan = rows[a.sizes[-1]]
+    print(f"headline figures: {a.sizes[-1]} model (tokens/s, peak), {a.sizes[0]} model (K64/K8)")
+    print(f"learner/plain-deepspeed tokens/s = {fmt(ours['tokens_per_s'] / plain['tokens_per_s'])}")
+    print(f"peak measured/planned = {fmt(ours['peak'] / plan)}")
+    print(f"peak K64/K8 = {fmt(k64['peak'] / k8['peak'])}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
