@@ -104,25 +104,41 @@ RELOAD_CASES = [("gpt2", "hub"), ("gpt_neox", "hub"), ("qwen2", "save_pretrained
                 ("phi", "save_pretrained"), ("olmo", "save_pretrained")]
 
 
-@pytest.mark.parametrize("case", RELOAD_CASES, ids=lambda c: c[0])
-def test_engine_logprobs_equal_transformers_after_a_reload(models, case):
+def _reload_scores(path: str, reloads: list) -> list:
+    """The engine's log-probs of RESPONSE as built, then after each in-place reload of `reloads`.
+
+    In a fresh process, like `_perturbed`: an engine of GPT-NeoX, Phi or OLMo built in the test
+    process would patch transformers' classes for every later test of the session.
+    """
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(_reload_scores_here, (path, reloads))
+
+
+def _reload_scores_here(path: str, reloads: list) -> list:
     from hpc_tba.engine.vllm_engine import VLLMEngine, configure_cpu_env
     from hpc_tba.roles.config import SearcherConfig
 
-    path = models[case]
-    named, hf_logp = _perturbed(path)
     configure_cpu_env(core=None, kv_cache_mb=64)
     engine = VLLMEngine(path, SearcherConfig(max_new_tokens=8), seed=0)
     try:
-        before = torch.from_numpy(engine.score(PROMPT, RESPONSE, temperature=1.0))
-        engine.load_weights(named, 1)
-        after = torch.from_numpy(engine.score(PROMPT, RESPONSE, temperature=1.0))
-        engine.load_weights(_perturbed(path, seed=8)[0], 2)  # a second reload moves it again
-        named3, hf3 = _perturbed(path, seed=9)
-        engine.load_weights(named3, 3)
-        third = torch.from_numpy(engine.score(PROMPT, RESPONSE, temperature=1.0))
+        scores = [torch.from_numpy(engine.score(PROMPT, RESPONSE, temperature=1.0))]
+        for version, named in enumerate(reloads, start=1):
+            engine.load_weights(named, version)
+            scores.append(torch.from_numpy(engine.score(PROMPT, RESPONSE, temperature=1.0)))
     finally:
         engine.close()
+    return scores
+
+
+@pytest.mark.parametrize("case", RELOAD_CASES, ids=lambda c: c[0])
+def test_engine_logprobs_equal_transformers_after_a_reload(models, case):
+    path = models[case]
+    named, hf_logp = _perturbed(path)
+    named3, hf3 = _perturbed(path, seed=9)
+    # a second reload moves it again before the third is checked
+    before, after, _, third = _reload_scores(path, [named, _perturbed(path, seed=8)[0], named3])
     assert (before - hf_logp).abs().max() > 1e-2  # the reload had something to change
     assert (after - hf_logp).abs().max() < 1e-4, (case, after, hf_logp)
     assert (third - hf3).abs().max() < 1e-4, (case, third, hf3)
