@@ -60,9 +60,17 @@ def deepspeed_config(cfg: LearnerConfig, *, micro_batch: int, train: bool) -> di
     }
     if train and cfg.grad_clip > 0:
         ds["gradient_clipping"] = cfg.grad_clip
-    if cfg.offload_params and cfg.zero_stage == 3:
+    # A memory option DeepSpeed would not apply must not be dropped silently: the run would need
+    # the device memory the user configured away.
+    if cfg.offload_params and cfg.zero_stage != 3:
+        raise ValueError(f"learner.offload_params needs learner.zero_stage=3 (got {cfg.zero_stage}): "
+                         "DeepSpeed offloads parameter shards only under ZeRO-3")
+    if cfg.offload_optimizer and cfg.zero_stage == 0:
+        raise ValueError("learner.offload_optimizer needs learner.zero_stage 1-3 (got 0): DeepSpeed "
+                         "offloads only ZeRO-partitioned optimizer states")
+    if cfg.offload_params:
         ds["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
-    if cfg.offload_optimizer and train and cfg.zero_stage in (1, 2, 3):
+    if cfg.offload_optimizer and train:
         ds["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
         ds["zero_force_ds_cpu_optimizer"] = False  # the learner hands DeepSpeed torch's AdamW
     return ds
