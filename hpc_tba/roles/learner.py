@@ -296,7 +296,8 @@ class Learner:
         groups = torch.as_tensor(batch.group_ids, device=dev)
         zeros = torch.zeros(packed.response_mask.shape, dtype=torch.float32, device=dev)
         inputs = LossInputs(
-            logp=zeros, logp_ref=self._reference_logprobs(packed, plan),
+            logp=zeros, logp_ref=None if self.ref is None else microbatch.no_grad_logprobs(
+                lambda b: self._logprobs(self.ref, b), packed, plan),
             logp_behavior=pad_per_token(batch.logp_behavior, packed.response_ids),
             mask=packed.response_mask, rewards=rewards, group_ids=groups,
             advantages=self._advantages(batch, rewards, groups))
@@ -305,7 +306,7 @@ class Learner:
         loss, lm, logp = microbatch.accumulate(
             self.loss_cfg, inputs, plan, step=self.step,
             normalizer=max(units, 1.0) / self.topo.num_learners,
-            logp_fn=lambda rows: self._policy_logprobs(packed.select(rows)),
+            logp_fn=lambda rows: self._logprobs(self.engine, packed.select(rows)),
             backward=self._backward, check=self._check_loss)
         if loss is None:  # a non-finite micro-batch loss somewhere: no update on any rank
             self.engine.optimizer.zero_grad()  # drop what earlier micro-batches accumulated
@@ -329,23 +330,10 @@ class Learner:
             self.log.histogram(self.step, "buffer/staleness", staleness_lags(batch, self.step))
         return out
 
-    def _policy_logprobs(self, packed: PackedBatch) -> torch.Tensor:
-        return response_logprobs(self.engine, packed, temperature=self.temperature,
+    def _logprobs(self, model, packed: PackedBatch) -> torch.Tensor:
+        """Chosen-token log-probs of `model` (the policy engine or the reference), chunked."""
+        return response_logprobs(model, packed, temperature=self.temperature,
                                  chunk_tokens=self.cfg.logprob_chunk_tokens)
-
-    def _reference_logprobs(self, packed: PackedBatch, plan: microbatch.MicroPlan) -> torch.Tensor | None:
-        """[B, T] reference log-probs, computed micro-batch by micro-batch (no grad)."""
-        if self.ref is None:
-            return None
-        out = torch.zeros(packed.response_mask.shape, dtype=torch.float32, device=self.device)
-        with torch.no_grad():
-            for rows, pad in zip(plan.rows, plan.padding):
-                idx = torch.as_tensor(rows, device=self.device)
-                part = response_logprobs(self.ref, packed.select(idx), temperature=self.temperature,
-                                         chunk_tokens=self.cfg.logprob_chunk_tokens)
-                if not pad:
-                    out[idx, : part.shape[1]] = part
-        return out
 
     def _backward(self, loss: torch.Tensor, last: bool) -> None:
         # Gradients accumulate over the step's micro-batches; the last one is the boundary.

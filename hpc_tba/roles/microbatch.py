@@ -41,6 +41,7 @@ import torch
 
 from hpc_tba.losses import LossConfig, LossInputs, compute_loss
 from hpc_tba.losses.dispatch import group_coupled
+from hpc_tba.roles.policy import PackedBatch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +104,20 @@ def agree(p: MicroPlan, reduce_max: Callable[[dict[str, float]], dict[str, float
         rows[big:big + 1] = [rows[big][:half], rows[big][half:]]
         padding[big:big + 1] = [padding[big], padding[big]]
     return MicroPlan(rows, split=split, padding=padding)
+
+
+def no_grad_logprobs(logprobs: Callable[[PackedBatch], torch.Tensor], packed: PackedBatch,
+                     p: MicroPlan) -> torch.Tensor:
+    """[B, T] float32 log-probs of a frozen model (the reference), micro-batch by micro-batch of
+    `p` (padding ones run too: every rank the same forwards), without grad."""
+    out = torch.zeros(packed.response_mask.shape, dtype=torch.float32, device=packed.device)
+    with torch.no_grad():
+        for rows, pad in zip(p.rows, p.padding):
+            idx = torch.as_tensor(rows, device=packed.device)
+            part = logprobs(packed.select(idx))
+            if not pad:
+                out[idx, : part.shape[1]] = part
+    return out
 
 
 def needs_context(cfg: LossConfig, p: MicroPlan) -> bool:
