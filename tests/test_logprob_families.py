@@ -88,3 +88,17 @@ def test_unknown_postprocessing_is_caught_at_runtime():
     model.forward = biased_forward.__get__(model)
     with torch.no_grad(), pytest.raises(ValueError, match="does not return its output head's result unchanged"):
         response_logprobs(model, _batch(), temperature=TEMP)
+
+
+def test_per_token_values_longer_than_their_response_are_an_error():
+    """Behaviour log-probs that do not match the responses are a data error, not cut to fit."""
+    from hpc_tba.roles.policy import pad_per_token
+
+    batch = _batch()
+    t = batch.response_ids.shape[1]
+    ok = pad_per_token([np.full(t, -1.0)] * 4, batch.response_ids)
+    assert ok.shape == batch.response_ids.shape and float(ok.sum()) == -4.0 * t
+    with pytest.raises(ValueError, match="per-token values and responses disagree"):
+        pad_per_token([np.full(t + 1, -1.0)] * 4, batch.response_ids)
+    with pytest.raises(ValueError, match="per-token values and responses disagree"):
+        pad_per_token([np.full(t, -1.0)] * 3, batch.response_ids)

@@ -73,10 +73,13 @@ def pack(prompts: list[np.ndarray], responses: list[np.ndarray], *, pad_id: int,
 
 def pad_per_token(values: list[np.ndarray], like: torch.Tensor) -> torch.Tensor:
     """Ragged per-token float arrays -> [B, T] float32 aligned with `like`, on `like`'s device."""
+    if len(values) != like.shape[0] or any(len(v) > like.shape[1] for v in values):
+        longest = max((len(v) for v in values), default=0)
+        raise ValueError(f"pad_per_token: {len(values)} rows of up to {longest} values do not fit the "
+                         f"[B, T]={list(like.shape)} responses: per-token values and responses disagree")
     out = torch.zeros(like.shape, dtype=torch.float32)
     for i, v in enumerate(values):
-        n = min(len(v), like.shape[1])
-        out[i, :n] = torch.as_tensor(v[:n], dtype=torch.float32)
+        out[i, : len(v)] = torch.as_tensor(v, dtype=torch.float32)
     return out.to(like.device)
 
 
