@@ -85,9 +85,15 @@ def test_unknown_postprocessing_is_caught_at_runtime():
         out.logits = out.logits + 1.0
         return out
 
-    model.forward = biased_forward.__get__(model)
-    with torch.no_grad(), pytest.raises(ValueError, match="does not return its output head's result unchanged"):
-        response_logprobs(model, _batch(), temperature=TEMP)
+    def capped_in_place(self, *a, **kw):  # like xLSTM's soft-cap written into the logits tensor
+        out = plain(self, *a, **kw)
+        out.logits.mul_(0.5)
+        return out
+
+    for forward in (biased_forward, capped_in_place):
+        model.forward = forward.__get__(model)
+        with torch.no_grad(), pytest.raises(ValueError, match="does not return its output head's result unchanged"):
+            response_logprobs(model, _batch(), temperature=TEMP)
 
 
 def test_per_token_values_longer_than_their_response_are_an_error():

@@ -168,11 +168,17 @@ def response_logprobs(model, batch: PackedBatch, *, temperature: float,
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
-    produced: list[torch.Tensor] = []
+    produced: list[torch.Tensor] = []  # a copy of what the head returned ([B, T]: cheap), so that
+    # an in-place change of the returned tensor by the forward is seen too
 
     def swap(head):
         fwd = _head_forward(head, batch, temperature, chunk_tokens)
-        return lambda hidden: produced.append(fwd(hidden)) or produced[-1]
+
+        def forward(hidden):
+            out = fwd(hidden)
+            produced.append(out.detach().clone())
+            return out
+        return forward
 
     with _head_swapped(model, swap):
         out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
