@@ -215,10 +215,9 @@ def record_failure(run_dir: str, rank: int, message: str) -> bool:
     d = log_dir(run_dir)
     os.makedirs(d, exist_ok=True)
     record = {"rank": rank, "message": message, "log": rank_log_path(run_dir, rank), "time": time.time()}
-    tmp = os.path.join(d, f".failed_rank{rank}.json.tmp")
-    with open(tmp, "w") as f:
-        json.dump(record, f)
-    os.replace(tmp, os.path.join(d, f"failed_rank{rank}.json"))
+    from hpc_tba.roles.logging import write_json_atomic
+
+    write_json_atomic(os.path.join(d, f"failed_rank{rank}.json"), record)
     try:
         fd = os.open(os.path.join(d, "first_failure"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     except FileExistsError:

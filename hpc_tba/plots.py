@@ -15,6 +15,8 @@ import os
 
 import numpy as np
 
+from hpc_tba.roles.logging import read_json
+
 
 def _rows(path: str) -> list[dict]:
     if not os.path.isfile(path):
@@ -29,14 +31,6 @@ def _rows(path: str) -> list[dict]:
     return out
 
 
-def _json(path: str) -> dict:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return {}
-
-
 def load_run(run_dir: str) -> dict:
     """The series one run's report draws, from its files (works mid-run too)."""
     if not os.path.isdir(run_dir):
@@ -49,7 +43,7 @@ def load_run(run_dir: str) -> dict:
              if "test/pass@1" in r}  # a resumed run re-logs a version: the latest row wins
     train = [r for r in learner if "reward/sampled_mean" in r]
     util: dict[str, dict[str, float]] = {}
-    summary = _json(os.path.join(run_dir, "summary.json"))
+    summary = read_json(os.path.join(run_dir, "summary.json")) or {}
     if summary.get("time"):
         util["learner"] = _utils(summary["time"])
     elif train:
@@ -60,7 +54,7 @@ def load_run(run_dir: str) -> dict:
             rows = [r for r in _rows(os.path.join(run_dir, name)) if "time/elapsed_s" in r]
             if rows:
                 util[role] = _utils(rows[-1])
-    hist = _json(os.path.join(run_dir, "histograms_learner.json")).get("buffer/staleness", {})
+    hist = (read_json(os.path.join(run_dir, "histograms_learner.json")) or {}).get("buffer/staleness", {})
     return {
         "label": _label(run_dir),
         "eval_steps": sorted(evals), "eval_pass": [evals[v][0] for v in sorted(evals)],

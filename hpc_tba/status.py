@@ -16,16 +16,10 @@ import socket
 import subprocess
 import time
 
+from hpc_tba.roles.logging import read_json
+
 STALE_S = 600.0
 """A status not updated for this long, with no other way to tell, is reported as silent."""
-
-
-def _json(path: str) -> dict | None:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
 
 
 def _pid_alive(pid: int) -> bool:
@@ -72,9 +66,9 @@ def run_status(run_dir: str) -> dict:
 
     if not os.path.isdir(run_dir):
         raise FileNotFoundError(f"{run_dir} is not a run directory")
-    st = _json(os.path.join(run_dir, "status.json")) or {}
+    st = read_json(os.path.join(run_dir, "status.json")) or {}
     summary_path = os.path.join(run_dir, "summary.json")
-    summary = _json(summary_path)
+    summary = read_json(summary_path)
     out = dict(st)
     out["run_dir"] = os.path.abspath(run_dir)
     out["checkpoint"] = latest_checkpoint(run_dir)

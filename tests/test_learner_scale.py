@@ -147,6 +147,16 @@ def test_memory_options_reach_the_deepspeed_config():
     assert "offload_optimizer" not in plain and "offload_param" not in plain
 
 
+@pytest.mark.parametrize("option, stage", [("offload_params", 2), ("offload_params", 0), ("offload_optimizer", 0)])
+def test_memory_option_deepspeed_would_ignore_is_refused(option, stage):
+    """An offload the ZeRO stage cannot apply is an error naming both fields, not a silent no-op."""
+    from hpc_tba.roles.config import LearnerConfig
+    from hpc_tba.roles.learner import deepspeed_config
+
+    with pytest.raises(ValueError, match=f"learner.{option} needs learner.zero_stage.*got {stage}"):
+        deepspeed_config(LearnerConfig(zero_stage=stage, **{option: True}), micro_batch=4, train=True)
+
+
 # ---------------------------------------------------------------- chunked log-probs
 def _old_logprobs(model, batch, temperature):  # the full-logits implementation it replaces
     from hpc_tba.losses import token_logprobs

@@ -144,6 +144,45 @@ def test_plan_packs_whole_groups_longest_first():
         microbatch.plan(lengths, gid, 0)
 
 
+def _agree_on_ranks(plans: list[microbatch.MicroPlan]) -> list[microbatch.MicroPlan]:
+    """`agree` on each plan at once, one thread per rank, the max taken over the ranks' dicts."""
+    import threading
+
+    barrier, seen, out = threading.Barrier(len(plans)), {}, [None] * len(plans)
+
+    def rank(i):
+        def reduce_max(m):
+            seen[i] = dict(m)
+            barrier.wait()
+            g = {k: max(d[k] for d in seen.values()) for k in m}
+            barrier.wait()  # everyone read this round before the next one writes
+            return g
+
+        out[i] = microbatch.agree(plans[i], reduce_max)
+
+    threads = [threading.Thread(target=rank, args=(i,)) for i in range(len(plans))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    return out
+
+
+def test_agreed_plans_run_the_same_forwards_on_every_rank():
+    """Rank 0 packs two whole groups into one micro-batch, rank 1 has two: rank 0 splits its batch
+    (cutting a group), so it needs the context pass of a group-coupled loss (TB vargrad), and
+    rank 1 must run it too, or their ZeRO-3 forwards no longer pair up (a hang on a cluster)."""
+    a = microbatch.plan(np.array([4, 3, 5, 2]), np.array([0, 0, 1, 1]), 4)
+    b = microbatch.plan(np.array([4, 3, 5, 2]), np.array([0, 0, 1, 1]), 2)
+    assert not a.split and not b.split and (len(a.rows), len(b.rows)) == (1, 2)
+    tb = LossConfig(**CASES["tb"])
+    agreed = _agree_on_ranks([a, b])
+    forwards = [len(p.rows) * (2 if microbatch.needs_context(tb, p) else 1) for p in agreed]
+    assert forwards[0] == forwards[1] == 4, forwards  # 2 micro-batches, each with the context pass
+    same = _agree_on_ranks([b, b])  # equal counts, whole groups: no context pass anywhere
+    assert [microbatch.needs_context(tb, p) for p in same] == [False, False]
+
+
 def _rank_main(rank: int, port: int, q) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)

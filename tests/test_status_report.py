@@ -82,7 +82,6 @@ def test_status_cli_on_a_run_dir_and_on_a_missing_one(tmp_path):
 
 
 def test_report_draws_one_run_and_overlays_two(tmp_path):
-    pytest.importorskip("matplotlib")
     from hpc_tba.plots import draw_report, load_run
 
     _log_run(tmp_path / "a")
@@ -104,7 +103,6 @@ def test_report_refuses_a_directory_that_is_not_a_run(tmp_path):
 
 
 def test_report_cli_redraws_one_run_and_overlays_several(tmp_path):
-    pytest.importorskip("matplotlib")
     _log_run(tmp_path / "sync")
     _log_run(tmp_path / "async", offset=0.1)
     env = {**os.environ, "PYTHONPATH": REPO}

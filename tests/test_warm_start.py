@@ -52,3 +52,10 @@ def test_a_band_it_cannot_stop_in_is_a_clear_error(checks, what, monkeypatch):
 def test_band_is_validated():
     with pytest.raises(ValueError, match="warm_start_band"):
         ModelConfig(warm_start_band=[0.6, 0.4])
+
+
+@pytest.mark.parametrize("field, value", [("sft_steps", -1), ("sft_lr", 0.0), ("warm_start_eval_every", 0)])
+def test_warm_start_settings_are_validated_by_name(field, value):
+    """The error names the field that is wrong and its value, not the three rules at once."""
+    with pytest.raises(ValueError, match=f"^model.{field}={value} \\(must be"):
+        ModelConfig(**{field: value})

@@ -42,6 +42,10 @@ class ModelConfig:
         if band and not (len(band) == 2 and 0.0 <= band[0] < band[1] <= 1.0):
             raise ValueError(f"model.warm_start_band={list(band)} must be [] or [low, high] with "
                              "0 <= low < high <= 1 (held-out pass@1)")
-        if self.sft_steps < 0 or self.sft_lr <= 0 or self.warm_start_eval_every < 1:
-            raise ValueError("model.sft_steps must be >= 0, model.sft_lr > 0 and "
-                             "model.warm_start_eval_every >= 1")
+        bad = [f"{name}={value} (must be {rule})" for name, value, rule, ok in (
+            ("model.sft_steps", self.sft_steps, ">= 0", self.sft_steps >= 0),
+            ("model.sft_lr", self.sft_lr, "> 0", self.sft_lr > 0),
+            ("model.warm_start_eval_every", self.warm_start_eval_every, ">= 1", self.warm_start_eval_every >= 1),
+        ) if not ok]
+        if bad:
+            raise ValueError("; ".join(bad))

@@ -60,9 +60,17 @@ def deepspeed_config(cfg: LearnerConfig, *, micro_batch: int, train: bool) -> di
     }
     if train and cfg.grad_clip > 0:
         ds["gradient_clipping"] = cfg.grad_clip
-    if cfg.offload_params and cfg.zero_stage == 3:
+    # A memory option DeepSpeed would not apply must not be dropped silently: the run would need
+    # the device memory the user configured away.
+    if cfg.offload_params and cfg.zero_stage != 3:
+        raise ValueError(f"learner.offload_params needs learner.zero_stage=3 (got {cfg.zero_stage}): "
+                         "DeepSpeed offloads parameter shards only under ZeRO-3")
+    if cfg.offload_optimizer and cfg.zero_stage == 0:
+        raise ValueError("learner.offload_optimizer needs learner.zero_stage 1-3 (got 0): DeepSpeed "
+                         "offloads only ZeRO-partitioned optimizer states")
+    if cfg.offload_params:
         ds["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
-    if cfg.offload_optimizer and train and cfg.zero_stage in (1, 2, 3):
+    if cfg.offload_optimizer and train:
         ds["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
         ds["zero_force_ds_cpu_optimizer"] = False  # the learner hands DeepSpeed torch's AdamW
     return ds
@@ -288,7 +296,8 @@ class Learner:
         groups = torch.as_tensor(batch.group_ids, device=dev)
         zeros = torch.zeros(packed.response_mask.shape, dtype=torch.float32, device=dev)
         inputs = LossInputs(
-            logp=zeros, logp_ref=self._reference_logprobs(packed, plan),
+            logp=zeros, logp_ref=None if self.ref is None else microbatch.no_grad_logprobs(
+                lambda b: self._logprobs(self.ref, b), packed, plan),
             logp_behavior=pad_per_token(batch.logp_behavior, packed.response_ids),
             mask=packed.response_mask, rewards=rewards, group_ids=groups,
             advantages=self._advantages(batch, rewards, groups))
@@ -297,7 +306,7 @@ class Learner:
         loss, lm, logp = microbatch.accumulate(
             self.loss_cfg, inputs, plan, step=self.step,
             normalizer=max(units, 1.0) / self.topo.num_learners,
-            logp_fn=lambda rows: self._policy_logprobs(packed.select(rows)),
+            logp_fn=lambda rows: self._logprobs(self.engine, packed.select(rows)),
             backward=self._backward, check=self._check_loss)
         if loss is None:  # a non-finite micro-batch loss somewhere: no update on any rank
             self.engine.optimizer.zero_grad()  # drop what earlier micro-batches accumulated
@@ -321,23 +330,10 @@ class Learner:
             self.log.histogram(self.step, "buffer/staleness", staleness_lags(batch, self.step))
         return out
 
-    def _policy_logprobs(self, packed: PackedBatch) -> torch.Tensor:
-        return response_logprobs(self.engine, packed, temperature=self.temperature,
+    def _logprobs(self, model, packed: PackedBatch) -> torch.Tensor:
+        """Chosen-token log-probs of `model` (the policy engine or the reference), chunked."""
+        return response_logprobs(model, packed, temperature=self.temperature,
                                  chunk_tokens=self.cfg.logprob_chunk_tokens)
-
-    def _reference_logprobs(self, packed: PackedBatch, plan: microbatch.MicroPlan) -> torch.Tensor | None:
-        """[B, T] reference log-probs, computed micro-batch by micro-batch (no grad)."""
-        if self.ref is None:
-            return None
-        out = torch.zeros(packed.response_mask.shape, dtype=torch.float32, device=self.device)
-        with torch.no_grad():
-            for rows, pad in zip(plan.rows, plan.padding):
-                idx = torch.as_tensor(rows, device=self.device)
-                part = response_logprobs(self.ref, packed.select(idx), temperature=self.temperature,
-                                         chunk_tokens=self.cfg.logprob_chunk_tokens)
-                if not pad:
-                    out[idx, : part.shape[1]] = part
-        return out
 
     def _backward(self, loss: torch.Tensor, last: bool) -> None:
         # Gradients accumulate over the step's micro-batches; the last one is the boundary.

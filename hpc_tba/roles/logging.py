@@ -38,6 +38,16 @@ def write_json_atomic(path: str, obj: dict) -> None:
     os.replace(tmp, path)
 
 
+def read_json(path: str) -> dict | None:
+    """A run file written by `write_json_atomic` (status, summary, histograms), None when it is
+    absent or unreadable (a run that has not written it yet)."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
 class RunLogger:
     def __init__(self, run_dir: str, name: str, *, enabled: bool = True, total: int | None = None):
         self.enabled = enabled
@@ -129,9 +139,8 @@ class RunLogger:
             self._bar.set_postfix(postfix, refresh=True)
 
     def write_json(self, name: str, obj: dict) -> None:
-        if self.enabled:
-            with open(os.path.join(self.run_dir, name), "w") as f:
-                json.dump(obj, f, indent=2)
+        if self.enabled:  # atomic: `hpc-tba status` and `report` may read it while it is written
+            write_json_atomic(os.path.join(self.run_dir, name), obj)
 
     def close(self) -> None:
         if self._bar is not None:

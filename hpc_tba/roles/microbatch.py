@@ -41,6 +41,7 @@ import torch
 
 from hpc_tba.losses import LossConfig, LossInputs, compute_loss
 from hpc_tba.losses.dispatch import group_coupled
+from hpc_tba.roles.policy import PackedBatch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,9 +83,16 @@ def plan(lengths: np.ndarray, group_ids: np.ndarray, micro: int) -> MicroPlan:
 
 
 def agree(p: MicroPlan, reduce_max: Callable[[dict[str, float]], dict[str, float]]) -> MicroPlan:
-    """`p` with as many micro-batches as the rank that has most, and the same `split` flag."""
-    g = reduce_max({"count": float(len(p.rows)), "split": float(p.split)})
-    target, split = int(g["count"]), bool(g["split"]) or p.split
+    """`p` with as many micro-batches as the rank that has most, and the same `split` flag.
+
+    A rank with fewer micro-batches splits its largest ones, which may cut a group, so it then
+    needs the context pass; every rank must then run it too (same number of forwards under
+    ZeRO-3): `split` is True on all ranks as soon as the counts differ anywhere (the minimum
+    travels as the max of its negative, in the same one collective).
+    """
+    g = reduce_max({"count": float(len(p.rows)), "split": float(p.split), "-count": -float(len(p.rows))})
+    target = int(g["count"])
+    split = bool(g["split"]) or p.split or -int(g["-count"]) < target
     rows, padding = list(p.rows), list(p.padding)
     while len(rows) < target:
         big = max(range(len(rows)), key=lambda i: len(rows[i]))
@@ -95,8 +103,21 @@ def agree(p: MicroPlan, reduce_max: Callable[[dict[str, float]], dict[str, float
         half = len(rows[big]) // 2
         rows[big:big + 1] = [rows[big][:half], rows[big][half:]]
         padding[big:big + 1] = [padding[big], padding[big]]
-        split = True  # conservatively: the halves may cut a group
     return MicroPlan(rows, split=split, padding=padding)
+
+
+def no_grad_logprobs(logprobs: Callable[[PackedBatch], torch.Tensor], packed: PackedBatch,
+                     p: MicroPlan) -> torch.Tensor:
+    """[B, T] float32 log-probs of a frozen model (the reference), micro-batch by micro-batch of
+    `p` (padding ones run too: every rank the same forwards), without grad."""
+    out = torch.zeros(packed.response_mask.shape, dtype=torch.float32, device=packed.device)
+    with torch.no_grad():
+        for rows, pad in zip(p.rows, p.padding):
+            idx = torch.as_tensor(rows, device=packed.device)
+            part = logprobs(packed.select(idx))
+            if not pad:
+                out[idx, : part.shape[1]] = part
+    return out
 
 
 def needs_context(cfg: LossConfig, p: MicroPlan) -> bool:

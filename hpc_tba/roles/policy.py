@@ -73,10 +73,13 @@ def pack(prompts: list[np.ndarray], responses: list[np.ndarray], *, pad_id: int,
 
 def pad_per_token(values: list[np.ndarray], like: torch.Tensor) -> torch.Tensor:
     """Ragged per-token float arrays -> [B, T] float32 aligned with `like`, on `like`'s device."""
+    if len(values) != like.shape[0] or any(len(v) > like.shape[1] for v in values):
+        longest = max((len(v) for v in values), default=0)
+        raise ValueError(f"pad_per_token: {len(values)} rows of up to {longest} values do not fit the "
+                         f"[B, T]={list(like.shape)} responses: per-token values and responses disagree")
     out = torch.zeros(like.shape, dtype=torch.float32)
     for i, v in enumerate(values):
-        n = min(len(v), like.shape[1])
-        out[i, :n] = torch.as_tensor(v[:n], dtype=torch.float32)
+        out[i, : len(v)] = torch.as_tensor(v, dtype=torch.float32)
     return out.to(like.device)
 
 
@@ -112,14 +115,40 @@ def _head_forward(head: torch.nn.Module, batch: PackedBatch, temperature: float,
     return forward
 
 
+# Config fields of families whose causal-LM forward rescales or caps the head's output before
+# returning it (Gemma2/3/4 soft-capping, Cohere `logit_scale`, Granite `logits_scaling`, Falcon-H1
+# `lm_head_multiplier`): the chunked head's log-probs would come back transformed as if they were
+# logits. Refused up front by name; `response_logprobs` also checks, for any other family, that the
+# forward returned the head's tensor itself (see there).
+_LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scaling", "lm_head_multiplier")
+
+
+def _refuse_postprocessed_logits(module) -> None:
+    cfg = getattr(module, "config", None)
+    if cfg is None:
+        return
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    for c in {id(cfg): cfg, id(text): text}.values():
+        for name in _LOGIT_POSTPROCESSING:
+            value = getattr(c, name, None)
+            neutral = value is None or (name != "final_logit_softcapping" and value == 1.0) or (
+                name == "final_logit_softcapping" and not value)  # a scale of 1 changes nothing
+            if not neutral:
+                raise ValueError(
+                    f"response_logprobs: {type(module).__name__} (model_type "
+                    f"{getattr(c, 'model_type', '?')!r}) post-processes its logits ({name}="
+                    f"{getattr(c, name)}), which the chunked log-prob head cannot reproduce; "
+                    f"this model family is not supported by the learner")
+
+
 @contextlib.contextmanager
 def _head_swapped(model, forward):
     module = getattr(model, "module", model)  # a DeepSpeed engine wraps the HF model
+    _refuse_postprocessed_logits(module)
     head = module.get_output_embeddings()
-    cfg = getattr(module, "config", None)
-    if getattr(cfg, "final_logit_softcapping", None):
-        raise ValueError("response_logprobs: models with final_logit_softcapping are not supported "
-                         "(the chunked head skips the soft-capping)")
+    if head is None:
+        raise ValueError(f"response_logprobs: {type(module).__name__} has no output embeddings "
+                         f"(get_output_embeddings() is None); a causal LM with an lm_head is needed")
     head.forward = forward(head)  # instance attribute: the module's hooks (ZeRO-3) still run
     try:
         yield
@@ -139,6 +168,27 @@ def response_logprobs(model, batch: PackedBatch, *, temperature: float,
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
-    with _head_swapped(model, lambda head: _head_forward(head, batch, temperature, chunk_tokens)):
+    produced: list[torch.Tensor] = []  # a copy of what the head returned ([B, T]: cheap), so that
+    # an in-place change of the returned tensor by the forward is seen too
+
+    def swap(head):
+        fwd = _head_forward(head, batch, temperature, chunk_tokens)
+
+        def forward(hidden):
+            out = fwd(hidden)
+            produced.append(out.detach().clone())
+            return out
+        return forward
+
+    with _head_swapped(model, swap):
         out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
+    # A forward that transforms the head's output (scaling, capping, a bias) returns other values:
+    # our log-probs would then be silently wrong, so any family not caught by name stops here.
+    # Values, not identity: ZeRO-3's module hooks re-wrap outputs in autograd functions.
+    if len(produced) != 1 or out.logits.shape != produced[0].shape or not torch.equal(out.logits, produced[0]):
+        module = getattr(model, "module", model)
+        raise ValueError(f"response_logprobs: {type(module).__name__} does not return its output head's "
+                         f"result unchanged as logits (head called {len(produced)} times), so the chunked "
+                         f"log-prob head would compute wrong log-probs; this model family is not "
+                         f"supported by the learner")
     return out.logits
