@@ -46,7 +46,7 @@ def missing_weights(tmp_path):
     d = tmp_path / "noweights"
     shutil.copytree(resolve_model_path(cfg.model, cfg.task), d)
     (d / "model.safetensors").unlink()
-    return d, "has no model.safetensors"
+    return d, "no weights (none of model.safetensors.index.json, model.safetensors"
 
 
 @pytest.mark.parametrize("model", ["broken_config", "missing_weights"])

@@ -75,6 +75,8 @@ def test_local_rank_is_the_index_among_visible_gpus():
     assert env["RANK"] == "5" and env["WORLD_SIZE"] == "8"
     with pytest.raises(RuntimeError, match="CUDA_VISIBLE_DEVICES"):
         groups.local_device_index(topo, 5, {"CUDA_VISIBLE_DEVICES": "2,3"})
+    # on CPU (gloo, no GPU) a stray CUDA_VISIBLE_DEVICES is not consulted
+    assert groups.local_device_index(topo, 5, {"CUDA_VISIBLE_DEVICES": "2,3"}, gpus=False) == 1
 
 
 def test_rendezvous_host(monkeypatch):

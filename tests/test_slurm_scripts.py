@@ -141,7 +141,8 @@ def test_setup_rank_on_a_gpu_node(monkeypatch):
            "SLURM_NODEID": "8", "SLURM_PROCID": "65", "SLURM_NTASKS": "80", "SLURM_LOCALID": "1"}
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # recorded, so setup_rank's value is undone too
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     try:
         ctx = slurm.setup_rank(compose(["+experiment=tba_70b"]), 65, 80)
         assert os.environ["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"

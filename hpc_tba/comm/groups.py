@@ -69,16 +69,17 @@ def rendezvous_host(hostnames: list[str], environ=None) -> str:
     return addr
 
 
-def local_device_index(topo: Topology, rank: int, environ=None) -> int:
+def local_device_index(topo: Topology, rank: int, environ=None, *, gpus: bool = True) -> int:
     """LOCAL_RANK of a learner: the index of its GPU among the GPUs this process sees.
 
     Pinned by CUDA_VISIBLE_DEVICES (build.transport_and_topology under Slurm: one GPU per
-    learner) it is 0; on one machine without pinning, the node-local device index.
+    learner) it is 0; on one machine without pinning, the node-local device index. Without GPUs
+    (`gpus=False`: gloo on CPU) CUDA_VISIBLE_DEVICES means nothing and is not consulted.
     """
     env = os.environ if environ is None else environ
     physical = topo.devices_of(rank)[0]
     visible = [d.strip() for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
-    if not visible:
+    if not visible or not gpus:
         return physical
     if str(physical) in visible:
         return visible.index(str(physical))
@@ -88,10 +89,10 @@ def local_device_index(topo: Topology, rank: int, environ=None) -> int:
                        f"CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES')} lists several others")
 
 
-def learner_env(topo: Topology, rank: int, rdv: dict, environ=None) -> dict[str, str]:
+def learner_env(topo: Topology, rank: int, rdv: dict, environ=None, *, gpus: bool = True) -> dict[str, str]:
     """torch.distributed's environment for a learner rank (the learners' default group)."""
     return {"RANK": str(topo.learner_ranks.index(rank)), "WORLD_SIZE": str(topo.num_learners),
-            "LOCAL_RANK": str(local_device_index(topo, rank, environ)), "MASTER_ADDR": rdv["host"],
+            "LOCAL_RANK": str(local_device_index(topo, rank, environ, gpus=gpus)), "MASTER_ADDR": rdv["host"],
             "MASTER_PORT": str(rdv["learner_port"])}
 
 
@@ -119,7 +120,7 @@ def setup_groups(transport: MPITransport, topo: Topology, *, backend: str,
         import deepspeed
 
         lrank = topo.learner_ranks.index(rank)
-        os.environ.update(learner_env(topo, rank, rdv))
+        os.environ.update(learner_env(topo, rank, rdv, gpus=backend == "nccl"))
         if backend == "nccl":  # DeepSpeed's accelerator then picks cuda:LOCAL_RANK
             import torch
 
