@@ -80,7 +80,7 @@ def run_status(run_dir: str) -> dict:
         out["state"] = "preempted" if summary.get("preempted") else "finished"
         out["step"] = summary.get("steps", out.get("step"))
         out["policy_version"] = summary.get("final_version", out.get("policy_version"))
-        out["buffer_size"] = summary.get("buffer_size", out.get("buffer_size"))
+        out["buffer_size"] = summary.get("buffer_size_total", summary.get("buffer_size", out.get("buffer_size")))
         out["pass@1_first"] = _pass(summary, "pass@1_before", 0) or out.get("pass@1_first")
         out["pass@1"] = _pass(summary, "pass@1_after", summary.get("final_version")) or out.get("pass@1")
     elif not st:

@@ -47,6 +47,9 @@ def test_two_learner_run_steps_and_reports_once(runs):
     received = first["trajectories_received"]
     assert received and set(received) <= {"2", "3"} and all(n > 0 for n in received.values())
     assert (run_dir / "summary.json").exists()
+    # the summary's run totals cover both shards, not learner 0's alone
+    assert first["trajectories_received_total"] > sum(received.values())
+    assert first["buffer_size_total"] > first["buffer_size"] > 0
 
 
 def test_resume_with_two_learners(runs):

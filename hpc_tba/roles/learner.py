@@ -476,13 +476,16 @@ class Learner:
         return self.summary()
 
     def summary(self) -> dict:
+        """The run's summary; every learner rank calls it (one reduce makes the run totals)."""
         versions = sorted(self.pass_at_1)
+        totals = reduce_metrics({"rx": float(sum(self.received.values())), "buf": float(len(self.shard))}, op="sum")
         signum = getattr(self.preemption, "signum", None) if self.preempted else None
         s = {"steps": self.step, "final_version": self.version, "preempted": self.preempted,
              "nonfinite_skipped": self.nonfinite_skipped,
              "signal": signum,
              "trajectories_received": {str(r): n for r, n in sorted(self.received.items())},
-             "buffer_size": len(self.shard),
+             "buffer_size": len(self.shard),  # this shard; the run's totals below
+             "trajectories_received_total": int(totals["rx"]), "buffer_size_total": int(totals["buf"]),
              "pass@1": {str(v): self.pass_at_1[v] for v in versions},
              "pass@1_before": self.pass_at_1.get(0), "pass@1_after": self.pass_at_1.get(self.version),
              "pass@1_time_s": {str(v): self.version_time[v] for v in versions if v in self.version_time},

@@ -7,13 +7,15 @@ import os
 def summary_lines(s: dict, *, run_dir: str | None = None, report: str | None = None) -> list[str]:
     before, after = s.get("pass@1_before"), s.get("pass@1_after")
     fmt = (lambda x: "n/a" if x is None else f"{100 * x:.1f}%")
-    received = sum(s.get("trajectories_received", {}).values())
+    # run totals over every learner's shard (older summaries: learner 0's shard only)
+    received = s.get("trajectories_received_total", sum(s.get("trajectories_received", {}).values()))
+    buffered = s.get("buffer_size_total", s["buffer_size"])
     lines = [
         "",
         "=== hpc_tba run summary ===",
         f"learner steps        {s['steps']} (final policy version {s['final_version']})"
         + (" - preempted, checkpointed" if s.get("preempted") else ""),
-        f"trajectories in      {received} prompt groups, buffer holds {s['buffer_size']} responses",
+        f"trajectories in      {received} prompt groups, buffer holds {buffered} responses",
         f"held-out pass@1      before {fmt(before)}  ->  after {fmt(after)}",
     ]
     if before is not None and after is not None:
