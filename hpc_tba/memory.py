@@ -198,3 +198,37 @@ def bucket_sizes(spec: ModelSpec, *, bucket_bytes: int, wire_bytes: int) -> list
             size = 0
         size += nbytes
     return out + ([size] if size else [])
+
+
+@dataclasses.dataclass
+class Plan:
+    """What `hpc-tba plan` prints; `problems` non-empty means refused."""
+
+    lines: list[str] = dataclasses.field(default_factory=list)
+    problems: list[str] = dataclasses.field(default_factory=list)
+    warnings: list[str] = dataclasses.field(default_factory=list)
+    learner_gib: float = 0.0
+    engine_gib: float = 0.0
+    model_states_gib: float = 0.0
+    deepspeed_gib: float | None = None
+    terms: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Bytes of each learner term per rank (keys: params, grads, optimizer, reference, gathered,
+    activations, logits) and of the searcher staging (staging_device, staging_host)."""
+    micro_batch: int = 0
+    """Sequences per micro-batch the learner runs (learner.micro_batch_size, 0 = K)."""
+    micro_batch_tokens: int = 0
+    """Token positions of the largest micro-batch (micro_batch x max_model_len)."""
+    staging: str = ""
+    """searcher.staging with auto resolved."""
+    buckets: list[int] = dataclasses.field(default_factory=list)
+    """Bytes of each weight-sync bucket on the wire, as the planner counts them."""
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+    def row(self, label: str, nbytes: float, note: str = "", key: str = "") -> float:
+        self.lines.append(f"    {label:<44} {nbytes / GiB:9.2f} GiB  {note}".rstrip())
+        if key:
+            self.terms[key] = nbytes
+        return nbytes

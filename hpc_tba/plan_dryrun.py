@@ -30,11 +30,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from hpc_tba.memory import DTYPE_BYTES, GiB, ModelSpec
+from hpc_tba.memory import DTYPE_BYTES, GiB, ModelSpec, Plan
 
 if TYPE_CHECKING:
     from hpc_tba.config import RunConfig
-    from hpc_tba.planner import Plan
 
 
 def hf_config(cfg: RunConfig, spec: ModelSpec):

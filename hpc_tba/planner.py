@@ -47,6 +47,7 @@ from hpc_tba.memory import (
     DTYPE_BYTES,
     KNOWN_MODELS,
     ModelSpec,
+    Plan,
     activation_bytes,
     bucket_sizes,
     logit_bytes,
@@ -96,40 +97,6 @@ def _embedded_spec(cfg: RunConfig) -> ModelSpec:
         return spec_from_hf_config("embedded", json.loads((built / "config.json").read_text()))
     return ModelSpec("embedded", len(tiny.SPECIALS) + len(tiny.ALPHABET), m.hidden_size, 2 * m.hidden_size,
                      m.num_layers, m.num_heads, m.num_heads)
-
-
-@dataclasses.dataclass
-class Plan:
-    """What `hpc-tba plan` prints; `problems` non-empty means refused."""
-
-    lines: list[str] = dataclasses.field(default_factory=list)
-    problems: list[str] = dataclasses.field(default_factory=list)
-    warnings: list[str] = dataclasses.field(default_factory=list)
-    learner_gib: float = 0.0
-    engine_gib: float = 0.0
-    model_states_gib: float = 0.0
-    deepspeed_gib: float | None = None
-    terms: dict[str, float] = dataclasses.field(default_factory=dict)
-    """Bytes of each learner term per rank (keys: params, grads, optimizer, reference, gathered,
-    activations, logits) and of the searcher staging (staging_device, staging_host)."""
-    micro_batch: int = 0
-    """Sequences per micro-batch the learner runs (learner.micro_batch_size, 0 = K)."""
-    micro_batch_tokens: int = 0
-    """Token positions of the largest micro-batch (micro_batch x max_model_len)."""
-    staging: str = ""
-    """searcher.staging with auto resolved."""
-    buckets: list[int] = dataclasses.field(default_factory=list)
-    """Bytes of each weight-sync bucket on the wire, as the planner counts them."""
-
-    @property
-    def fits(self) -> bool:
-        return not self.problems
-
-    def row(self, label: str, nbytes: float, note: str = "", key: str = "") -> float:
-        self.lines.append(f"    {label:<44} {nbytes / GiB:9.2f} GiB  {note}".rstrip())
-        if key:
-            self.terms[key] = nbytes
-        return nbytes
 
 
 @dataclasses.dataclass(frozen=True)

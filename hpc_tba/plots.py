@@ -15,7 +15,7 @@ import os
 
 import numpy as np
 
-from hpc_tba.roles.logging import read_json
+from hpc_tba.runfiles import read_json
 
 
 def _rows(path: str) -> list[dict]:

@@ -16,7 +16,7 @@ import socket
 import subprocess
 import time
 
-from hpc_tba.roles.logging import read_json
+from hpc_tba.runfiles import read_json
 
 STALE_S = 600.0
 """A status not updated for this long, with no other way to tell, is reported as silent."""

@@ -20,6 +20,8 @@ import time
 
 import numpy as np
 
+from hpc_tba.runfiles import write_json_atomic
+
 STATUS_EVERY_S = 1.0
 """Shortest interval between two writes of status.json."""
 HISTOGRAMS_EVERY_S = 10.0
@@ -28,24 +30,6 @@ HISTOGRAMS_EVERY_S = 10.0
 STATUS_SCALARS = {"policy_version": "sync/version", "buffer_size": "buffer/size",
                   "staleness_mean": "buffer/staleness_mean", "staleness_max": "buffer/staleness_max",
                   "reward_sampled_mean": "reward/sampled_mean", "elapsed_s": "time/elapsed_s"}
-
-
-def write_json_atomic(path: str, obj: dict) -> None:
-    """Readers (status polling mid-run) see the old file or the new one, never half of one."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-    os.replace(tmp, path)
-
-
-def read_json(path: str) -> dict | None:
-    """A run file written by `write_json_atomic` (status, summary, histograms), None when it is
-    absent or unreadable (a run that has not written it yet)."""
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
 
 
 class RunLogger:
