@@ -197,6 +197,19 @@ def test_instruct_presets_run_a_few_steps_with_a_tiny_chat_llama(preset, stand_i
     _run_online(tmp_path / "run", preset, stand_ins["llama_chat"], f"task.path={data}", "cluster.num_learners=2",
                 "searcher.tensor_parallel_size=1", "learner.micro_batch_size=2", "cluster.threads_per_rank=1",
                 "searcher.max_new_tokens=8", "searcher.max_model_len=192")
+    # what was trained on: every prompt a user turn of the template, with one BOS (the tokenizer's)
+    from transformers import AutoTokenizer
+
+    from hpc_tba.buffer.segments import TrajRecord, read_segment
+
+    tok = AutoTokenizer.from_pretrained(stand_ins["llama_chat"])
+    head = tok("<|start_header_id|>user<|end_header_id|>", add_special_tokens=False)["input_ids"]
+    prompts = [r.prompt_tokens.tolist() for seg in (tmp_path / "run" / "buffer").rglob("seg-*.tbs")
+               for r in read_segment(str(seg)).records if isinstance(r, TrajRecord)]
+    assert prompts
+    bad = [tok.decode(p) for p in prompts if p[:1 + len(head)] != [tok.bos_token_id, *head]
+           or p.count(tok.bos_token_id) != 1]
+    assert not bad, bad[:2]
 
 
 HH = [{"prompt": f"Human: How do I bake bread number {i}? Assistant:",
@@ -216,8 +229,7 @@ def test_alol_hh_preprocesses_and_runs_a_few_steps_with_a_tiny_llama(stand_ins, 
     rows = [json.loads(line) for line in preprocessed.read_text().splitlines()]
     assert len(rows) == len(HH) and all(r["advantage"] is not None for r in rows)
     summary = _train(tmp_path / "run", "+experiment=alol_hh", model, f"task.path={preprocessed}",
-                     "cluster.num_learners=2", "learner.total_steps=3", "learner.prompts_per_step=2",
-                     "searcher.max_model_len=128")
+                     "cluster.num_learners=2", "learner.total_steps=3", "learner.prompts_per_step=2")
     assert summary["steps"] == 3
 
 
