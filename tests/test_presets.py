@@ -1,6 +1,8 @@
 """The papers' presets: each composes, carries its paper's hyper-parameters (ALGORITHMS.md), plans
-on its own cluster with a tiny local model of the same architecture in `model.path`, and (two in
-the default suite) runs a few steps on this machine with that stand-in."""
+on its own cluster with a tiny local model of the same architecture in `model.path`, and runs a
+few steps on this machine with that stand-in and the tiny local pieces its task needs (reward
+model, victim and toxicity classifier, offline data). gsm8k_rho1b, topr_offline, redteam_gpt2 and
+tldr_pythia run in the default suite; alol_hh, tba_8b and tba_70b behind `long`."""
 from __future__ import annotations
 
 import json
@@ -11,7 +13,7 @@ import pytest
 from conftest import HPC_TBA
 
 from hpc_tba.config import compose
-from hpc_tba.models.stand_ins import build_stand_in
+from hpc_tba.models.stand_ins import build_reward_model, build_stand_in
 from hpc_tba.planner import PlanOptions, make_plan
 
 PRESETS = {  # preset -> architecture of its paper's model
@@ -58,7 +60,9 @@ def _needs_task_fields(preset: str) -> None:
 @pytest.fixture(scope="module")
 def stand_ins(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("stand_ins")
-    return {a: str(build_stand_in(root / a, a)) for a in set(PRESETS.values())}
+    out = {a: str(build_stand_in(root / a, a)) for a in set(PRESETS.values())}
+    out["llama_chat"] = str(build_stand_in(root / "llama_chat", "llama", chat=True))
+    return out
 
 
 def _get(cfg, dotted: str):
@@ -140,6 +144,92 @@ def test_topr_offline_runs_a_few_steps_with_a_tiny_llama(stand_ins, tmp_path):
     summary = _train(tmp_path / "run", "+experiment=topr_offline", model, f"task.path={preprocessed}",
                      "cluster.num_learners=2", "learner.total_steps=3", "learner.prompts_per_step=2",
                      "searcher.k=1")
+    assert summary["steps"] == 3
+
+
+def _gaps(summary) -> list[float]:
+    return [g for by_version in summary["sync_logprob_gap"].values() for g in by_version.values()]
+
+
+ONLINE = ["learner.total_steps=4", "learner.prompts_per_step=2", "searcher.k=4", "searcher.samples_per_prompt=5",
+          "searcher.prompts_per_round=4", "searcher.max_model_len=128", "buffer.warm_start=10",
+          "learner.sync_every=2", "learner.sync_check=true", "cluster.num_searchers=1"]
+"""The online presets shrunk to a few steps, with two syncs checked against the engine."""
+
+
+def _run_online(run_dir, preset: str, model: str, *overrides: str) -> dict:
+    summary = _train(run_dir, f"+experiment={preset}", f"model.path={model}", *ONLINE, *overrides)
+    assert summary["steps"] == 4 and summary["final_version"] == 4
+    gaps = _gaps(summary)
+    assert len(gaps) >= 2 and max(gaps) < 1e-4, summary["sync_logprob_gap"]
+    assert sum(summary["trajectories_received"].values()) > 0, summary
+    return summary
+
+
+TLDR = [{"prompt": f"SUBREDDIT: r/relationships TITLE: advice {i} POST: my friend never answers. TL;DR:",
+         "reference": " my friend ignores me"} for i in range(12)]
+
+
+def test_tldr_pythia_runs_a_few_steps_with_a_tiny_gpt_neox_and_reward_model(stand_ins, tmp_path):
+    data = tmp_path / "tldr"
+    _write_jsonl(data / "train.jsonl", TLDR)
+    _write_jsonl(data / "test.jsonl", TLDR[:4])
+    rm = build_reward_model(tmp_path / "rm", "gpt_neox")
+    _run_online(tmp_path / "run", "tldr_pythia", stand_ins["gpt_neox"], f"task.path={data}",
+                f"task.reward_model={rm}", "searcher.max_new_tokens=12")
+
+
+def test_redteam_gpt2_runs_a_few_steps_with_a_tiny_gpt2_victim_and_classifier(stand_ins, tmp_path):
+    from hpc_tba.tasks import redteam_toy
+
+    task = [o for o in redteam_toy.build(tmp_path / "redteam", steps=60) if not o.startswith("task=")]
+    _run_online(tmp_path / "run", "redteam_gpt2", stand_ins["gpt2"], *task, "searcher.max_new_tokens=8")
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("preset", ["tba_8b", "tba_70b"])
+def test_instruct_presets_run_a_few_steps_with_a_tiny_chat_llama(preset, stand_ins, tmp_path):
+    """The Instruct presets' prompts through the stand-in's chat template, 2 learners (ZeRO-3),
+    their learner memory settings (gradient checkpointing, chunked log-probs) kept."""
+    data = tmp_path / "gsm8k"
+    _write_jsonl(data / "train.jsonl", GSM8K)
+    _write_jsonl(data / "test.jsonl", GSM8K[:4])
+    _run_online(tmp_path / "run", preset, stand_ins["llama_chat"], f"task.path={data}", "cluster.num_learners=2",
+                "searcher.tensor_parallel_size=1", "learner.micro_batch_size=2", "cluster.threads_per_rank=1",
+                "searcher.max_new_tokens=8", "searcher.max_model_len=192")
+    # what was trained on: every prompt a user turn of the template, with one BOS (the tokenizer's)
+    from transformers import AutoTokenizer
+
+    from hpc_tba.buffer.segments import TrajRecord, read_segment
+
+    tok = AutoTokenizer.from_pretrained(stand_ins["llama_chat"])
+    head = tok("<|start_header_id|>user<|end_header_id|>", add_special_tokens=False)["input_ids"]
+    prompts = [r.prompt_tokens.tolist() for seg in (tmp_path / "run" / "buffer").rglob("seg-*.tbs")
+               for r in read_segment(str(seg)).records if isinstance(r, TrajRecord)]
+    assert prompts
+    bad = [tok.decode(p) for p in prompts if p[:1 + len(head)] != [tok.bos_token_id, *head]
+           or p.count(tok.bos_token_id) != 1]
+    assert not bad, bad[:2]
+
+
+HH = [{"prompt": f"Human: How do I bake bread number {i}? Assistant:",
+       "response": (" Mix flour, water, salt and yeast, then wait." if i % 3 else " No."),
+       "reward": round(0.2 + 0.6 * (i % 3 != 0) + 0.01 * i, 3)} for i in range(18)]
+
+
+@pytest.mark.long
+def test_alol_hh_preprocesses_and_runs_a_few_steps_with_a_tiny_llama(stand_ins, tmp_path):
+    data = tmp_path / "hh.jsonl"
+    _write_jsonl(data, HH)
+    model = f"model.path={stand_ins['llama']}"
+    pre = subprocess.run([HPC_TBA, "preprocess", "+experiment=alol_hh", model, f"task.path={data}", *LOCAL],
+                         capture_output=True, text=True, timeout=600)
+    assert pre.returncode == 0, pre.stdout[-2000:] + pre.stderr[-4000:]
+    preprocessed = data.with_name("hh.preprocessed.jsonl")
+    rows = [json.loads(line) for line in preprocessed.read_text().splitlines()]
+    assert len(rows) == len(HH) and all(r["advantage"] is not None for r in rows)
+    summary = _train(tmp_path / "run", "+experiment=alol_hh", model, f"task.path={preprocessed}",
+                     "cluster.num_learners=2", "learner.total_steps=3", "learner.prompts_per_step=2")
     assert summary["steps"] == 3
 
 

@@ -11,6 +11,12 @@ stored where that differs from transformers' own `save_pretrained`:
   renames on load, which a loader that reads tensors by parameter name gets wrong.
 - `bin`: `pytorch_model.bin` instead of safetensors.
 - `sharded`: safetensors split over two files with a `model.safetensors.index.json`.
+
+`chat=True` gives the tokenizer a Llama-3-style chat template (header and end-of-turn tokens as
+specials, BOS written by the template) and makes it add BOS itself when encoding, as Llama's
+does: the Instruct presets' (`tba_8b`, `tba_70b`) prompt path, one BOS after formatting.
+`build_reward_model` writes a one-output sequence classifier of the same architecture on the
+same tokenizer (a random reward model: the preference task's scorer, e.g. for `tldr_pythia`).
 """
 from __future__ import annotations
 
@@ -32,20 +38,34 @@ _CORPUS = ["Question: Natalia sold clips to 48 of her friends in April, and then
            "[MATH TASK] Problem:\n12 + 30 = ?\n\nSolution:\n42"]
 
 
-def build_tokenizer(vocab_size: int = 384):
-    """A byte-level BPE tokenizer trained here, with pad/bos/eos/unk specials at ids 0-3."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+CHAT_SPECIALS = ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+                 "{{ m['content'] }}<|eot_id|>{% endfor %}"
+                 "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+"""Llama 3's chat template in shape (BOS in the text, role headers, end-of-turn token)."""
+
+
+def build_tokenizer(vocab_size: int = 384, *, chat: bool = False):
+    """A byte-level BPE tokenizer trained here, with pad/bos/eos/unk specials at ids 0-3; `chat`
+    adds the chat specials and template and a BOS the tokenizer adds itself (module docstring)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
-    specials = ["<pad>", "<s>", "</s>", "<unk>"]
+    specials = ["<pad>", "<s>", "</s>", "<unk>"] + (CHAT_SPECIALS if chat else [])
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                                   pad_token="<pad>", unk_token="<unk>")
+    if not chat:
+        return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                       pad_token="<pad>", unk_token="<unk>")
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    out = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                  unk_token="<unk>", additional_special_tokens=CHAT_SPECIALS)
+    out.chat_template = CHAT_TEMPLATE
+    return out
 
 
 def _config(arch: str, vocab: int, *, tie: bool | None):
@@ -77,10 +97,11 @@ def _config(arch: str, vocab: int, *, tie: bool | None):
 
 
 def build_stand_in(out: str | os.PathLike, arch: str, *, layout: str = "save_pretrained",
-                   tie: bool | None = None, seed: int = 0) -> Path:
+                   tie: bool | None = None, seed: int = 0, chat: bool = False) -> Path:
     """Write a tiny random `arch` model and its tokenizer to `out`; returns the directory.
 
-    `tie` overrides the architecture's default `tie_word_embeddings` (None keeps it).
+    `tie` overrides the architecture's default `tie_word_embeddings` (None keeps it); `chat`
+    gives the tokenizer a chat template (module docstring).
     """
     from transformers import AutoModelForCausalLM
 
@@ -88,7 +109,7 @@ def build_stand_in(out: str | os.PathLike, arch: str, *, layout: str = "save_pre
         raise ValueError(f"layout {layout!r} is not one of {LAYOUTS}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(chat=chat)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(_config(arch, len(tokenizer), tie=tie), dtype=torch.float32)
     with torch.no_grad():  # random init at std 0.02 gives near-uniform logits: make them peaked
@@ -99,6 +120,23 @@ def build_stand_in(out: str | os.PathLike, arch: str, *, layout: str = "save_pre
     tokenizer.save_pretrained(out)
     if layout != "save_pretrained":
         _rewrite(out, arch, layout)
+    return out
+
+
+def build_reward_model(out: str | os.PathLike, arch: str, *, seed: int = 0) -> Path:
+    """Write a tiny random one-output `arch` sequence classifier (a reward model) and the stand-in
+    tokenizer to `out`; returns the directory."""
+    from transformers import AutoModelForSequenceClassification
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    cfg = _config(arch, len(tokenizer), tie=None)
+    cfg.num_labels = 1
+    torch.manual_seed(seed)
+    AutoModelForSequenceClassification.from_config(cfg, dtype=torch.float32).save_pretrained(
+        out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
     return out
 
 
