@@ -10,3 +10,14 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_ex
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HPC_TBA = os.path.join(os.path.dirname(sys.executable), "hpc-tba")
+
+
+def gloo_deepspeed(rank: int, world: int, port: int) -> None:
+    """In a spawned test worker: DeepSpeed's CPU accelerator and a `world`-rank gloo group on
+    localhost, as a learner rank has them (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*)."""
+    os.environ.update(DS_ACCELERATOR="cpu", RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import deepspeed
+
+    deepspeed.init_distributed("gloo", auto_mpi_discovery=False, rank=rank, world_size=world,
+                               init_method=f"tcp://127.0.0.1:{port}", verbose=False)

@@ -15,6 +15,7 @@ import socket
 import pytest
 import torch
 import torch.multiprocessing as mp
+from conftest import gloo_deepspeed
 
 from hpc_tba.models.stand_ins import ARCHITECTURES, build_stand_in
 
@@ -36,8 +37,6 @@ def _free_port() -> int:
 
 
 def _zero3_worker(rank, world, port, paths, out):
-    os.environ.update(DS_ACCELERATOR="cpu", RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import deepspeed
     from transformers import AutoModelForCausalLM
 
@@ -45,8 +44,7 @@ def _zero3_worker(rank, world, port, paths, out):
     from hpc_tba.roles.config import LearnerConfig
     from hpc_tba.roles.learner import deepspeed_config
 
-    deepspeed.init_distributed("gloo", auto_mpi_discovery=False, rank=rank, world_size=world,
-                               init_method=f"tcp://127.0.0.1:{port}", verbose=False)
+    gloo_deepspeed(rank, world, port)
     cfg = deepspeed_config(LearnerConfig(), micro_batch=1, train=True)
     result = {}
     for case, path in paths.items():

@@ -15,6 +15,7 @@ import os
 import pytest
 import torch
 import torch.multiprocessing as mp
+from conftest import gloo_deepspeed
 
 from hpc_tba.comm.groups import free_ports
 
@@ -22,8 +23,6 @@ SHARD_BYTES = 300_000  # a decoder block of the embedded model is ~0.8 MB in fp3
 
 
 def _worker(rank, world, port, src, out_dir, out):
-    os.environ.update(DS_ACCELERATOR="cpu", RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import deepspeed
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
@@ -32,8 +31,7 @@ def _worker(rank, world, port, src, out_dir, out):
     from hpc_tba.roles.config import LearnerConfig
     from hpc_tba.roles.learner import deepspeed_config
 
-    deepspeed.init_distributed("gloo", auto_mpi_discovery=False, rank=rank, world_size=world,
-                               init_method=f"tcp://127.0.0.1:{port}", verbose=False)
+    gloo_deepspeed(rank, world, port)
     cfg = deepspeed_config(LearnerConfig(), micro_batch=1, train=True)
     model = load_causal_lm(src, dtype=torch.float32, zero3_config=cfg, rank=rank)
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()), config=cfg)

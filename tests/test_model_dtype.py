@@ -5,18 +5,16 @@ support (the CPU accelerator on CPUs without mkldnn fp16, e.g. AMD EPYC with avx
 suite green on one CPU trained in bf16 on another. The workers here make the accelerator report
 no fp16 support, so the check does not depend on the CPU it runs on (2 gloo ranks).
 """
-import os
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from conftest import gloo_deepspeed
 
 from hpc_tba.comm.groups import free_ports
 
 
 def _worker(rank, world, port, path, fp16_supported, out):
-    os.environ.update(DS_ACCELERATOR="cpu", RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
@@ -26,8 +24,7 @@ def _worker(rank, world, port, path, fp16_supported, out):
 
     acc = get_accelerator()
     acc.is_fp16_supported = lambda: fp16_supported
-    deepspeed.init_distributed("gloo", auto_mpi_discovery=False, rank=rank, world_size=world,
-                               init_method=f"tcp://127.0.0.1:{port}", verbose=False)
+    gloo_deepspeed(rank, world, port)
     seen = {}
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         cfg = deepspeed_config(LearnerConfig(dtype=name), micro_batch=1, train=True)

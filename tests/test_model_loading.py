@@ -1,15 +1,13 @@
 """Under ZeRO-3 the learner builds the model partitioned and streams the safetensors in: the
 gathered result must equal transformers' own from_pretrained, on every rank (2 gloo ranks)."""
-import os
 import socket
 
 import torch
 import torch.multiprocessing as mp
+from conftest import gloo_deepspeed
 
 
 def _worker(rank, world, port, path, out):
-    os.environ.update(DS_ACCELERATOR="cpu", RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import deepspeed
     from transformers import AutoModelForCausalLM
 
@@ -17,8 +15,7 @@ def _worker(rank, world, port, path, out):
     from hpc_tba.roles.config import LearnerConfig
     from hpc_tba.roles.learner import deepspeed_config
 
-    deepspeed.init_distributed("gloo", auto_mpi_discovery=False, rank=rank, world_size=world,
-                               init_method=f"tcp://127.0.0.1:{port}", verbose=False)
+    gloo_deepspeed(rank, world, port)
     cfg = deepspeed_config(LearnerConfig(), micro_batch=1, train=True)
     model = load_causal_lm(path, dtype=torch.float32, zero3_config=cfg, rank=rank)
     params = dict(model.named_parameters())
