@@ -206,6 +206,7 @@ def _rank_main(rank: int, port: int, q) -> None:
                                             all_reduce=all_reduce).numpy()  # no shared-memory fds
         if rank == 0:
             q.put(out)
+        dist.barrier()  # leave together: a gloo peer torn down while the other still closes aborts it
     finally:
         dist.destroy_process_group()
 
