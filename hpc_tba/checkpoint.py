@@ -54,7 +54,7 @@ from collections.abc import Sequence
 
 import torch
 
-COMPLETE = "COMPLETE"
+from hpc_tba.runfiles import COMPLETE, checkpoint_root, latest_checkpoint  # torch-free: status uses them too
 
 
 class CheckpointError(RuntimeError):
@@ -119,27 +119,6 @@ def _weights_only_deepspeed_loads(engine):
         yield
     finally:
         engine.checkpoint_engine = original
-
-
-def checkpoint_root(run_dir: str) -> str:
-    return os.path.join(run_dir, "checkpoints")
-
-
-def latest_checkpoint(run_dir: str) -> str | None:
-    """The newest complete checkpoint directory, or None (half-written ones are ignored)."""
-    root = checkpoint_root(run_dir)
-    pointer = os.path.join(root, "latest")
-    candidates = []
-    if os.path.isfile(pointer):
-        with open(pointer) as f:
-            candidates.append(os.path.join(root, f.read().strip()))
-    if os.path.isdir(root):  # `latest` lost or pointing at a removed dir: fall back to a scan
-        candidates += sorted((os.path.join(root, d) for d in os.listdir(root)
-                              if d.startswith("step_")), reverse=True)
-    for path in candidates:
-        if os.path.isfile(os.path.join(path, COMPLETE)):
-            return path
-    return None
 
 
 def resolve_resume(run_dir: str, resume: str) -> str | None:

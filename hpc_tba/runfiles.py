@@ -22,3 +22,26 @@ def read_json(path: str) -> dict | None:
             return json.load(f)
     except (OSError, ValueError):
         return None
+
+
+COMPLETE = "COMPLETE"
+"""Marker file written last into a checkpoint directory: without it the checkpoint is incomplete."""
+
+
+def checkpoint_root(run_dir: str) -> str:
+    return os.path.join(run_dir, "checkpoints")
+
+
+def latest_checkpoint(run_dir: str) -> str | None:
+    """The newest complete checkpoint directory, or None (half-written ones are ignored). Here,
+    not in hpc_tba.checkpoint, so that `hpc-tba status` finds it without importing torch."""
+    root = checkpoint_root(run_dir)
+    pointer = os.path.join(root, "latest")
+    candidates = []
+    if os.path.isfile(pointer):
+        with open(pointer) as f:
+            candidates.append(os.path.join(root, f.read().strip()))
+    if os.path.isdir(root):  # `latest` lost or pointing at a removed dir: fall back to a scan
+        candidates += sorted((os.path.join(root, d) for d in os.listdir(root) if d.startswith("step_")),
+                             reverse=True)
+    return next((p for p in candidates if os.path.isfile(os.path.join(p, COMPLETE))), None)

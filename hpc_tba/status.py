@@ -8,7 +8,6 @@ Slurm job, `squeue` when it is on the PATH, else how long ago the status was las
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -16,7 +15,7 @@ import socket
 import subprocess
 import time
 
-from hpc_tba.runfiles import read_json
+from hpc_tba.runfiles import latest_checkpoint, read_json
 
 STALE_S = 600.0
 """A status not updated for this long, with no other way to tell, is reported as silent."""
@@ -43,20 +42,6 @@ def _slurm_state(job_id: str) -> str | None:
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else ""
-
-
-def latest_checkpoint(run_dir: str) -> str | None:
-    """hpc_tba.checkpoint.latest_checkpoint without importing torch (status runs on login
-    nodes, often): the `latest` pointer, else the newest `step_*` directory with COMPLETE."""
-    root = os.path.join(run_dir, "checkpoints")
-    candidates = []
-    with contextlib.suppress(OSError):
-        with open(os.path.join(root, "latest")) as f:
-            candidates.append(os.path.join(root, f.read().strip()))
-    if os.path.isdir(root):
-        candidates += sorted((os.path.join(root, d) for d in os.listdir(root) if d.startswith("step_")),
-                             reverse=True)
-    return next((p for p in candidates if os.path.isfile(os.path.join(p, "COMPLETE"))), None)
 
 
 def run_status(run_dir: str) -> dict:
