@@ -10,7 +10,7 @@ import pytest
 
 from hpc_tba.tasks import TaskConfig
 from hpc_tba.tasks.base import Prompt, Task
-from hpc_tba.tasks.evaluate import (
+from hpc_tba.tasks.metrics import (
     evaluate_samples,
     greedy_pass_at_1,
     maj_at_k,
