@@ -7,7 +7,7 @@ and the entry point are the same as `sbatch slurm/<name>.sh`:
 - executor="slurm": one submitit task per rank, started by `srun --mpi=<cluster.mpi>`, placed by
   the same host file as the sbatch scripts, each calling `hpc_tba.run.main(overrides)`.
 - executor="local": one submitit task on this machine that runs `mpiexec -n <world>` of
-  `python -m hpc_tba.run`, exactly what `hpc-tba train` runs.
+  `python -m hpc_tba.run`, exactly what `hpc-tba train` runs (launcher/local.py).
 
 Preemption: submitit delivers its signal (USR2) to every task; `install_preemption_handler` in
 hpc_tba.launcher.slurm routes it, like Slurm's USR1, to the flag the roles check, so every role
