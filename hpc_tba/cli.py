@@ -11,48 +11,18 @@ The terminal shows our own lines only; every rank's third-party output is in
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 
 USAGE = "usage: hpc-tba {train,plan,eval,preprocess,report,status} [-v] [hydra overrides ...]"
 
 
-def find_mpiexec(name: str) -> str | None:
-    """The MPI launcher: next to this Python first (the mpich wheel installs it there)."""
-    local = os.path.join(os.path.dirname(sys.executable), name)
-    if os.path.isfile(local) and os.access(local, os.X_OK):
-        return local
-    return shutil.which(name)
-
-
-def default_extensions_dir() -> str:
-    """DeepSpeed's compiled ops, per Python environment: the build embeds the environment's
-    include paths, so two environments sharing one directory would rebuild it for each other
-    (~1.5 min every time). tools/install.sh builds it here once."""
-    return os.path.join(sys.prefix, "torch_extensions")
-
-
-def rank_env(threads: int) -> dict[str, str]:
-    """Environment every rank starts with: pinned threads, CPU DeepSpeed when there is no GPU."""
-    env = dict(os.environ)
-    env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
-               TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
-    env.setdefault("TORCH_EXTENSIONS_DIR", default_extensions_dir())
-    try:
-        import torch
-
-        if not torch.cuda.is_available():
-            env.setdefault("DS_ACCELERATOR", "cpu")
-    except ImportError:
-        pass
-    return env
-
-
 def train(overrides: list[str], *, verbose: bool = False) -> int:
     from hpc_tba.config import compose
     from hpc_tba.console import LAUNCHER_ENV, VERBOSE_ENV, captured, log_dir
+    from hpc_tba.launcher.local import find_mpiexec, mpiexec_launch
     from hpc_tba.models.tiny import resolve_model_path
+
     cfg = compose(overrides)
     if cfg.cluster.backend != "local":
         from hpc_tba.launcher import submit
@@ -60,9 +30,9 @@ def train(overrides: list[str], *, verbose: bool = False) -> int:
         job = submit.launch(cfg, overrides=overrides)
         print(f"submitted {job}")
         return 0
-    from hpc_tba.roles.build import topology_for
+    from hpc_tba.topology import Topology
 
-    topology_for(cfg, cfg.cluster.world_size)
+    Topology.for_run(cfg)  # refuse an impossible layout before building anything
     mpiexec = find_mpiexec(cfg.cluster.mpiexec)
     if mpiexec is None:
         raise SystemExit(f"hpc-tba: MPI launcher {cfg.cluster.mpiexec!r} not found on PATH "
@@ -83,10 +53,8 @@ def train(overrides: list[str], *, verbose: bool = False) -> int:
         resolve_model_path(cfg.model, cfg.task)
     print(f"hpc-tba: run directory {cfg.run_dir} (logs of every rank in {log_dir(cfg.run_dir)})",
           file=sys.stderr)
-    cmd = [mpiexec, "-n", str(cfg.cluster.world_size), sys.executable, "-m", "hpc_tba.run",
-           *overrides, f"run_dir={cfg.run_dir}"]
-    env = rank_env(cfg.cluster.threads_per_rank)
-    env.setdefault("HPC_TBA_MASTER_ADDR", "127.0.0.1")
+    cmd, env = mpiexec_launch(mpiexec, cfg.cluster.world_size, [*overrides, f"run_dir={cfg.run_dir}"],
+                              cfg.cluster.threads_per_rank)
     env[LAUNCHER_ENV] = "cli"
     if verbose:
         env[VERBOSE_ENV] = "1"
@@ -155,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         if cmd == "preprocess":
             return preprocess(argv)
         if cmd == "eval":
-            from hpc_tba.evaluation import eval_main
+            from hpc_tba.eval_cli import eval_main
 
             return eval_main(argv)
     except (ConfigError, LayoutError, FileNotFoundError) as e:

@@ -325,15 +325,14 @@ def _staging(plan: Plan, cfg: RunConfig, spec: ModelSpec, gpus: int) -> None:
 
 def make_plan(cfg: RunConfig, opt: PlanOptions = PlanOptions()) -> Plan:
     """Build the plan for a composed config; layout errors become problems."""
-    from hpc_tba.launcher.slurm import topology_of
-    from hpc_tba.topology import LayoutError
+    from hpc_tba.topology import LayoutError, Topology
 
     plan, c = Plan(), cfg.cluster
     spec = model_spec(cfg, opt.arch)
     plan.lines.append(f"plan: {cfg.name}  model {spec.name}: {spec.params / 1e9:.2f} B params, "
                       f"largest layer {spec.largest_layer_params / 1e9:.3f} B")
     try:
-        topo = topology_of(cfg)
+        topo = Topology.for_run(cfg)
     except LayoutError as e:
         plan.problems.append(str(e))
         return plan

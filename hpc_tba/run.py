@@ -1,8 +1,9 @@
 """Per-rank entry point: `python -m hpc_tba.run <hydra overrides>` on every rank of the job.
 
 Started by `hpc-tba train` (mpiexec) or by `srun --mpi=pmi2` under Slurm. Composes the config,
-sends this rank's third-party output to `<run_dir>/logs/rank<N>.log` (hpc_tba.console), learns
-this rank's role from the topology, builds it, runs it, closes it in `finally`. Learner rank 0
+sends this rank's third-party output to `<run_dir>/logs/rank<N>.log` (hpc_tba.console), sets the
+rank up (hpc_tba.assembly.rank: MPI, the layout, pinning, signals), builds its role
+(hpc_tba.assembly.build), runs it, closes it in `finally`. Learner rank 0
 prints the one summary and draws `<run_dir>/report.png`.
 """
 from __future__ import annotations
@@ -15,11 +16,13 @@ import traceback
 
 def run_rank(cfg) -> tuple[int, dict | None]:
     """(this rank, its role's summary: a dict on learner ranks, None on searchers)."""
+    from hpc_tba.assembly.build import build_role
+    from hpc_tba.assembly.rank import setup_rank
     from hpc_tba.config import to_yaml
     from hpc_tba.console import say
-    from hpc_tba.roles import build
 
-    transport, topo, role = build.transport_and_topology(cfg)
+    rank = setup_rank(cfg)
+    transport, topo = rank.transport, rank.topology
     if transport.rank == 0:
         os.makedirs(cfg.run_dir, exist_ok=True)
         with open(os.path.join(cfg.run_dir, "config.yaml"), "w") as f:
@@ -28,7 +31,7 @@ def run_rank(cfg) -> tuple[int, dict | None]:
             f"vLLM searcher(s); TensorBoard: tensorboard --logdir {cfg.run_dir}/tb")
     worker = None
     try:
-        worker = build.role(cfg, transport, topo, role)
+        worker = build_role(cfg, rank)
         if transport.rank == 0:
             say("hpc-tba: roles built; training (first the searchers fill the replay buffer)")
         summary = worker.run()

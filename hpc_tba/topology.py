@@ -64,6 +64,27 @@ class Topology:
                          needs_searchers=needs_searchers, num_nodes=cluster.nodes,
                          slots_per_node=slots, tp_size=tp_size)
 
+    @classmethod
+    def for_run(cls, cfg, world_size: int | None = None) -> Topology:
+        """The layout of a run config: the one call behind the sbatch script, submitit, the
+        planner, `hpc-tba train` and every rank's set-up, so they cannot disagree.
+
+        Reads only config fields (cluster, searcher.tensor_parallel_size, task.name). An offline
+        task trains from a file with no searcher; every other task generates online and needs
+        one. `world_size`: the ranks the job really has (MPI), checked against the layout.
+        """
+        offline = cfg.task.name == "offline"
+        if offline and cfg.cluster.num_searchers:
+            raise LayoutError("task=offline trains from a file: set cluster.num_searchers=0")
+        topo = cls.from_cluster(cfg.cluster, tp_size=cfg.searcher.tensor_parallel_size,
+                                needs_searchers=not offline)
+        if world_size is not None and topo.world_size != world_size:
+            raise LayoutError(
+                f"impossible layout: the job has {world_size} ranks but the config's layout "
+                f"({topo.num_learners} learners + {topo.num_searchers} searchers) needs "
+                f"{topo.world_size} (an sbatch script or `mpiexec -n` made for another config?)")
+        return topo
+
     def role(self, rank: int) -> Role:
         self._check(rank)
         return Role.LEARNER if rank < self.num_learners else Role.SEARCHER

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 from conftest import HPC_TBA
 
-from hpc_tba.evaluation import EvalArgs, diversity, eval_main, score
+from hpc_tba.eval_cli import EvalArgs, diversity, eval_main, score
 from hpc_tba.tasks.base import Prompt
 from hpc_tba.tasks.config import TaskConfig
-from hpc_tba.tasks.evaluate import pass_at_k
+from hpc_tba.tasks.metrics import pass_at_k
 from hpc_tba.tasks.redteam import RedTeamTask
 
 PROBABILITIES = ("eval/accuracy", "eval/pass@1", "eval/pass@4", "eval/maj@1", "eval/maj@4",

@@ -10,7 +10,7 @@
    with weights_only into a fresh one bit-exactly.
 3. With two GPUs or more: test 1 over NCCL, receiver on the second GPU.
 4. The real learner role (tools/role_check.py, CPU twin tests/test_role_check.py): Learner built
-   by roles.build on the accelerator, trajectories replayed over the real MPI transport,
+   by hpc_tba.assembly.build on the accelerator, trajectories replayed over the real MPI transport,
    Learner.train_step, a sync through WeightSender to a WeightReceiver, checkpoint and export.
    Needs mpi4py and an MPI launcher (tools/gpu_check.sh: carry their wheels in .whl/).
 
@@ -359,7 +359,7 @@ def test_real_learner_role_on_the_device(tmp_path):
     """The learner role as a job runs it, on this machine's accelerator (item 4 above)."""
     import shutil
 
-    from hpc_tba.cli import find_mpiexec
+    from hpc_tba.launcher.local import find_mpiexec
 
     if importlib.util.find_spec("mpi4py") is None or find_mpiexec("mpiexec") is None and not shutil.which("mpiexec"):
         pytest.skip("needs mpi4py and mpiexec (carry the mpi4py and mpich wheels in .whl/)")

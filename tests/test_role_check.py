@@ -1,5 +1,5 @@
 """CPU twin of the GPU role check (tools/role_check.py; tests/test_gpu.py runs it on CUDA): the
-real Learner built by roles.build, trajectories replayed over the real MPI transport by another
+real Learner built by hpc_tba.assembly.build, trajectories replayed over the real MPI transport by another
 rank, two micro-batched train steps, a sync through the real WeightSender/WeightReceiver (the
 received weights equal the learner's), a checkpoint and an export that loads back. MPI: run
 under the heavy lock with the other end-to-end tests."""
@@ -15,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def run_role_check(tmp_path, *, accelerator: str = "cpu", timeout_s: float = 400) -> dict:
     """Record, then replay through tools/role_check.py on 2 MPI ranks; DeepSpeed on `accelerator`."""
-    from hpc_tba.cli import find_mpiexec, rank_env
+    from hpc_tba.launcher.local import find_mpiexec, rank_env
 
     mpiexec = find_mpiexec("mpiexec")
     assert mpiexec is not None, "mpiexec not found"

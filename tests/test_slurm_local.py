@@ -27,11 +27,12 @@ PROBE = textwrap.dedent("""
     import json, os, sys
     from mpi4py import MPI
     from hpc_tba.config import compose
-    from hpc_tba.launcher.slurm import SlurmEnv, check_placement, topology_of
+    from hpc_tba.launcher.slurm import SlurmEnv, check_placement
+    from hpc_tba.topology import Topology
     comm = MPI.COMM_WORLD
     overrides = [a for a in sys.argv[1:] if not a.startswith("run_dir=")]
     run_dir = next(a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("run_dir="))
-    topo = topology_of(compose(overrides))
+    topo = Topology.for_run(compose(overrides))
     env = SlurmEnv.from_environ()
     check_placement(topo, comm.Get_rank(), env)
     rec = dict(rank=comm.Get_rank(), size=comm.Get_size(), role=topo.role(comm.Get_rank()).value,

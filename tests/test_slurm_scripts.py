@@ -13,7 +13,7 @@ import pytest
 
 from hpc_tba.config import compose
 from hpc_tba.launcher import slurm
-from hpc_tba.topology import LayoutError
+from hpc_tba.topology import LayoutError, Topology
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -90,7 +90,7 @@ def test_slurm_env_parsing():
 
 
 def test_check_placement_catches_stale_scripts():
-    topo = slurm.topology_of(compose(["cluster=slurm_cpu"]))
+    topo = Topology.for_run(compose(["cluster=slurm_cpu"]))
     env = slurm.SlurmEnv("1", ("n1", "n2", "n3"), "n2", 1, 1, 3, 0, 0, "")
     slurm.check_placement(topo, 1, env)
     with pytest.raises(LayoutError, match="places it on node 2"):
@@ -101,7 +101,7 @@ def test_check_placement_catches_stale_scripts():
 
 
 def test_cuda_visible_devices_follow_the_topology():
-    topo = slurm.topology_of(compose(["+experiment=tba_70b"]))
+    topo = Topology.for_run(compose(["+experiment=tba_70b"]))
     assert slurm.cuda_visible_devices(topo, 3) == "3"
     assert slurm.cuda_visible_devices(topo, 65) == "4,5,6,7"
 
@@ -133,21 +133,3 @@ def test_requeue_calls_scontrol(tmp_path, monkeypatch):
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     with pytest.raises(RuntimeError, match="outside a Slurm job"):
         slurm.requeue(scontrol=str(fake))
-
-
-def test_setup_rank_on_a_gpu_node(monkeypatch):
-    old = signal.getsignal(signal.SIGUSR1)
-    env = {"SLURM_JOB_ID": "9", "SLURM_JOB_NODELIST": "g[01-16]", "SLURMD_NODENAME": "g09",
-           "SLURM_NODEID": "8", "SLURM_PROCID": "65", "SLURM_NTASKS": "80", "SLURM_LOCALID": "1"}
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # recorded, so setup_rank's value is undone too
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
-    try:
-        ctx = slurm.setup_rank(compose(["+experiment=tba_70b"]), 65, 80)
-        assert os.environ["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
-        assert ctx.env.restart_count == 0 and not ctx.preemption.is_set()
-        with pytest.raises(LayoutError, match="needs 80"):
-            slurm.setup_rank(compose(["+experiment=tba_70b"]), 65, 81)
-    finally:
-        signal.signal(signal.SIGUSR1, old)

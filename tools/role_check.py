@@ -3,7 +3,7 @@
     mpiexec -n 2 python tools/role_check.py --recording traj.npz --out DIR [hydra overrides...]
     python tools/role_check.py --record traj.npz        # write a recording (one process)
 
-Rank 0 is the real Learner, built by hpc_tba.roles.build from a composed config (DeepSpeed
+Rank 0 is the real Learner, built by hpc_tba.assembly.build from a composed config (DeepSpeed
 ZeRO-3 on the accelerator, NCCL groups on a GPU, gloo on CPU). Rank 1 stands in for a
 searcher: it replays recorded trajectories over the real MPI transport, then receives the
 weights through the real WeightReceiver. The learner takes them into its shard, runs
@@ -64,10 +64,10 @@ def learner_side(cfg, transport, topo, groups, out_dir: str) -> dict:
     import torch
 
     from hpc_tba import checkpoint
+    from hpc_tba.assembly.build import build_learner
     from hpc_tba.models.tiny import resolve_model_path
-    from hpc_tba.roles import build
 
-    learner = build._learner(cfg, transport, topo, groups, resolve_model_path(cfg.model, cfg.task), None)
+    learner = build_learner(cfg, transport, topo, groups, resolve_model_path(cfg.model, cfg.task), None)
     n_traj = transport.bcast_json(None, root=1)["sent"]
     while sum(learner.received.values()) < n_traj:
         learner.receive()
@@ -126,14 +126,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not (args.recording and args.out):
         ap.error("--recording and --out are required (or --record)")
+    from hpc_tba.assembly.rank import setup_rank
     from hpc_tba.comm.groups import setup_groups
     from hpc_tba.config import compose
-    from hpc_tba.roles import build
 
     cfg = compose(["cluster.num_learners=1", "cluster.num_searchers=1", f"run_dir={args.out}/run",
                    "learner.prompts_per_step=2", f"searcher.k={RESPONSES - 1}", "learner.micro_batch_size=3",
                    "buffer.warm_start=1", *overrides])
-    transport, topo, _ = build.transport_and_topology(cfg)
+    rank = setup_rank(cfg)
+    transport, topo = rank.transport, rank.topology
     import torch
 
     # One GPU: learner and replayer share it, and NCCL refuses two ranks on one GPU.

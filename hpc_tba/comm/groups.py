@@ -72,7 +72,7 @@ def rendezvous_host(hostnames: list[str], environ=None) -> str:
 def local_device_index(topo: Topology, rank: int, environ=None, *, gpus: bool = True) -> int:
     """LOCAL_RANK of a learner: the index of its GPU among the GPUs this process sees.
 
-    Pinned by CUDA_VISIBLE_DEVICES (build.transport_and_topology under Slurm: one GPU per
+    Pinned by CUDA_VISIBLE_DEVICES (assembly.rank.setup_rank under Slurm: one GPU per
     learner) it is 0; on one machine without pinning, the node-local device index. Without GPUs
     (`gpus=False`: gloo on CPU) CUDA_VISIBLE_DEVICES means nothing and is not consulted.
     """

@@ -54,20 +54,15 @@ import itertools
 import os
 import signal
 from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from hpc_tba.roles.config import SearcherConfig
+from hpc_tba.engine.base import Sample
 
-
-@dataclasses.dataclass(frozen=True)
-class Sample:
-    """One generated response."""
-
-    tokens: np.ndarray  # [T] int32
-    logp: np.ndarray  # [T] float32, log-probs of the sampled tokens under logits / temperature
-    versions: np.ndarray | None = None  # [T] int64 version that produced each token (in flight)
+if TYPE_CHECKING:  # a type only: the engine layer imports no role
+    from hpc_tba.roles.config import SearcherConfig
 
 
 def configure_cpu_env(*, core: int | None, kv_cache_mb: int) -> None:
@@ -79,7 +74,8 @@ def configure_cpu_env(*, core: int | None, kv_cache_mb: int) -> None:
 
 
 class VLLMEngine:
-    """A vLLM engine owned by one searcher (in its process, or in child processes)."""
+    """A vLLM engine owned by one searcher (in its process, or in child processes); an
+    `hpc_tba.engine.base.Engine`."""
 
     def __init__(self, model_path: str, cfg: SearcherConfig, *, seed: int, device: str = "cpu"):
         from vllm import LLM

@@ -28,6 +28,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from hpc_tba.launcher.local import rank_command
 from hpc_tba.topology import LayoutError, Topology
 
 if TYPE_CHECKING:
@@ -191,40 +192,7 @@ def requeue(job_id: str | None = None, *, scontrol: str = "scontrol") -> None:
         raise RuntimeError(f"scontrol requeue {job_id} failed: {out.stderr.strip()}")
 
 
-@dataclasses.dataclass(frozen=True)
-class RankContext:
-    """What `setup_rank` hands the entry point."""
-
-    topology: Topology
-    env: SlurmEnv | None
-    preemption: PreemptionFlag
-
-
-def setup_rank(cfg: RunConfig, rank: int, world_size: int) -> RankContext:
-    """Everything Slurm-specific a rank does before building its role, in one call.
-
-    Builds the placement-aware topology, checks srun placed this rank where the topology says,
-    pins GPU ranks to their devices (CUDA_VISIBLE_DEVICES, before CUDA is initialised), and
-    installs the USR1/submitit preemption handler. Off Slurm it only builds the topology.
-    """
-    topo = topology_of(cfg)
-    if topo.world_size != world_size:
-        raise LayoutError(f"the job has {world_size} ranks but the config's layout needs "
-                          f"{topo.world_size}")
-    env = SlurmEnv.from_environ()
-    check_placement(topo, rank, env)
-    if env is not None and cfg.cluster.gpus_per_node:
-        os.environ["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices(topo, rank)
-    return RankContext(topo, env, install_preemption_handler())
-
-
 # ---- command lines and sbatch text -----------------------------------------------------------
-def topology_of(cfg: RunConfig) -> Topology:
-    """The layout a run config builds on Slurm (the same call the ranks make)."""
-    return Topology.from_cluster(cfg.cluster, tp_size=cfg.searcher.tensor_parallel_size,
-                                 needs_searchers=cfg.cluster.num_searchers > 0)
-
-
 def srun_command(cfg: RunConfig, overrides: Sequence[str], *, python: str = "python",
                  extra_args: Sequence[str] = ()) -> list[str]:
     """srun line that starts every rank of `cfg` on the entry point (inside an allocation).
@@ -235,8 +203,7 @@ def srun_command(cfg: RunConfig, overrides: Sequence[str], *, python: str = "pyt
     c = cfg.cluster
     return ["srun", f"--mpi={c.mpi}", "--distribution=arbitrary",
             f"--ntasks={c.world_size}", f"--cpus-per-task={c.threads_per_rank}",
-            "--kill-on-bad-exit=1", *extra_args,
-            python, "-m", "hpc_tba.run", *overrides]
+            "--kill-on-bad-exit=1", *extra_args, *rank_command(overrides, python=python)]
 
 
 def hostfile_lines(topology: Topology, hosts: Sequence[str]) -> list[str]:
@@ -249,7 +216,7 @@ def hostfile_lines(topology: Topology, hosts: Sequence[str]) -> list[str]:
 
 def sbatch_header(cfg: RunConfig, name: str) -> list[str]:
     """#SBATCH lines for a config: nodes, tasks, GPUs, time, USR1 grace, requeue."""
-    c, topo = cfg.cluster, topology_of(cfg)
+    c, topo = cfg.cluster, Topology.for_run(cfg)
     lines = [f"--job-name={name}", f"--nodes={c.nodes}",
              f"--ntasks-per-node={max(topo.tasks_per_node)}",
              f"--cpus-per-task={c.threads_per_rank}"]
@@ -286,7 +253,7 @@ def env_exports(cfg: RunConfig) -> list[str]:
 
 
 def _layout_comment(cfg: RunConfig) -> str:
-    c, topo = cfg.cluster, topology_of(cfg)
+    c, topo = cfg.cluster, Topology.for_run(cfg)
     unit = f"{c.gpus_per_node} GPUs" if c.gpus_per_node else f"{c.ranks_per_node or 'all'} rank slots"
     return (f"# Layout (hpc_tba.topology): {c.nodes} nodes x {unit}; {c.num_learners} learner ranks "
             f"on {topo.learner_nodes} node(s), {c.num_searchers} searcher engine(s) "
@@ -300,7 +267,7 @@ def _sh(arg: str) -> str:
 
 def sbatch_script(cfg: RunConfig, overrides: Sequence[str], *, name: str) -> str:
     """The full sbatch script for a config composed from `overrides` (golden-tested)."""
-    c, topo = cfg.cluster, topology_of(cfg)
+    c, topo = cfg.cluster, Topology.for_run(cfg)
     srun = srun_command(cfg, [*overrides, "run_dir=$RUN_DIR"], python="$PYTHON")
     cut = srun.index("$PYTHON")
     srun_text = (" ".join(_sh(a) for a in srun[:cut]) + " \\\n  "

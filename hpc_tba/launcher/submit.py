@@ -7,7 +7,7 @@ and the entry point are the same as `sbatch slurm/<name>.sh`:
 - executor="slurm": one submitit task per rank, started by `srun --mpi=<cluster.mpi>`, placed by
   the same host file as the sbatch scripts, each calling `hpc_tba.run.main(overrides)`.
 - executor="local": one submitit task on this machine that runs `mpiexec -n <world>` of
-  `python -m hpc_tba.run`, exactly what `hpc-tba train` runs.
+  `python -m hpc_tba.run`, exactly what `hpc-tba train` runs (launcher/local.py).
 
 Preemption: submitit delivers its signal (USR2) to every task; `install_preemption_handler` in
 hpc_tba.launcher.slurm routes it, like Slurm's USR1, to the flag the roles check, so every role
@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -60,15 +59,12 @@ class LocalEntry:
         self.threads, self.mpiexec = threads, mpiexec
 
     def __call__(self) -> int:
-        from hpc_tba.cli import find_mpiexec, rank_env
+        from hpc_tba.launcher.local import find_mpiexec, mpiexec_launch
 
         mpiexec = find_mpiexec(self.mpiexec)
         if mpiexec is None:
             raise RuntimeError(f"MPI launcher {self.mpiexec!r} not found")
-        cmd = [mpiexec, "-n", str(self.world_size), sys.executable, "-m", "hpc_tba.run",
-               *self.overrides]
-        env = rank_env(self.threads)
-        env.setdefault("HPC_TBA_MASTER_ADDR", "127.0.0.1")
+        cmd, env = mpiexec_launch(mpiexec, self.world_size, self.overrides, self.threads)
         rc = subprocess.call(cmd, env=env)
         if rc:
             raise RuntimeError(f"{' '.join(cmd)} exited with {rc}")
@@ -130,8 +126,9 @@ def _hydra_value(v: Any) -> str:
 def _slurm_parameters(cfg: RunConfig) -> dict[str, Any]:
     """submitit SlurmExecutor parameters mirroring the #SBATCH lines of `sbatch_script`."""
     from hpc_tba.launcher import slurm  # lazily: `import hpc_tba` re-exports launch()
+    from hpc_tba.topology import Topology
 
-    c, topo = cfg.cluster, slurm.topology_of(cfg)
+    c, topo = cfg.cluster, Topology.for_run(cfg)
     hosts = ('mapfile -t HOSTS < <(scontrol show hostnames "$SLURM_JOB_NODELIST"); '
              f"TASKS=({' '.join(map(str, topo.tasks_per_node))}); "
              f'export SLURM_HOSTFILE="{cfg.run_dir}/hostfile"; mkdir -p "{cfg.run_dir}"; '
@@ -201,9 +198,9 @@ def launch(cfg: RunConfig, *, executor: str | None = None, folder: str | os.Path
     folder = Path(folder or Path(cfg.run_dir) / "submitit")
     ranks = _run_overrides(cfg, overrides)
     if executor == "slurm":
-        from hpc_tba.launcher.slurm import topology_of
+        from hpc_tba.topology import Topology
 
-        topology_of(cfg)  # refuse an impossible layout before queueing anything
+        Topology.for_run(cfg)  # refuse an impossible layout before queueing anything
         ex = _RankExecutor(folder=folder, max_num_timeout=3)
         ex.world_size = cfg.cluster.world_size
         ex.update_parameters(**_slurm_parameters(cfg))

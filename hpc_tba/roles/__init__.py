@@ -1,1 +1,1 @@
-"""Roles: learner, searcher, and how to build the one a rank plays."""
+"""Roles: the learner and the searcher (built from the config by hpc_tba.assembly.build)."""

@@ -1,4 +1,5 @@
-"""The searcher role: a vLLM engine that never stops generating.
+"""The searcher role: a generation engine (engine.base.Engine; vLLM in runs) that never stops
+generating.
 
 Loop (`run`): apply the newest weights that arrived (`searcher.update=between_rounds`: between
 rounds only, so one sample never mixes two versions; `in_flight`: also between decode steps of a
@@ -55,7 +56,7 @@ import numpy as np
 
 from hpc_tba.comm.transport import MPITransport, Tag
 from hpc_tba.comm.weight_sync import StagedWeights, WeightReceiver
-from hpc_tba.engine.vllm_engine import VLLMEngine
+from hpc_tba.engine.base import Engine
 from hpc_tba.messages import TrajectoryBatch
 from hpc_tba.roles.config import SearcherConfig
 from hpc_tba.roles.logging import RunLogger, Timers
@@ -64,9 +65,9 @@ from hpc_tba.topology import Topology
 
 
 class Searcher:
-    def __init__(self, *, cfg: SearcherConfig, task: Task, engine: VLLMEngine,
+    def __init__(self, *, cfg: SearcherConfig, task: Task, engine: Engine,
                  receiver: WeightReceiver | None, transport: MPITransport, topo: Topology,
-                 index: int, run_dir: str, engine_factory: Callable[[], VLLMEngine] | None = None,
+                 index: int, run_dir: str, engine_factory: Callable[[], Engine] | None = None,
                  max_engine_restarts: int = 5, on_policy_quota: dict[int, int] | None = None):
         self.cfg, self.task, self.engine, self.receiver = cfg, task, engine, receiver
         self.engine_factory = engine_factory

