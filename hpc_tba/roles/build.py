@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from hpc_tba.comm.transport import Transport
 from hpc_tba.config import RunConfig
 from hpc_tba.topology import Role, Topology
 
@@ -64,7 +65,7 @@ def _pin_cores(rank: int, topo: Topology) -> None:
         os.sched_setaffinity(0, {cpus[i] for i in cores_for_rank(rank, topo, len(cpus))})
 
 
-def role(cfg: RunConfig, transport, topo: Topology, role: Role):
+def role(cfg: RunConfig, transport: Transport, topo: Topology, role: Role):
     import signal
 
     from hpc_tba.comm.groups import setup_groups
@@ -88,7 +89,7 @@ def role(cfg: RunConfig, transport, topo: Topology, role: Role):
                      build_task(cfg.task, tokenizer=model_path, device=device))
 
 
-def _learner(cfg: RunConfig, transport, topo: Topology, groups, model_path: str, preemption):
+def _learner(cfg: RunConfig, transport: Transport, topo: Topology, groups, model_path: str, preemption):
     from hpc_tba.buffer import BufferShard
     from hpc_tba.checkpoint import resolve_resume
     from hpc_tba.config import to_yaml
@@ -140,7 +141,7 @@ def _probe(cfg: RunConfig, model_path: str) -> tuple[list[int], list[int]]:
     return tok(p.text)["input_ids"], response + [tok.eos_token_id]
 
 
-def _searcher(cfg: RunConfig, transport, topo: Topology, groups, model_path: str, task):
+def _searcher(cfg: RunConfig, transport: Transport, topo: Topology, groups, model_path: str, task):
     from hpc_tba.comm.weight_sync import Manifest, WeightReceiver, resolve_staging
     from hpc_tba.engine.vllm_engine import VLLMEngine, configure_cpu_env
     from hpc_tba.roles.searcher import Searcher
