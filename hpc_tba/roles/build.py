@@ -65,7 +65,10 @@ def _pin_cores(rank: int, topo: Topology) -> None:
         os.sched_setaffinity(0, {cpus[i] for i in cores_for_rank(rank, topo, len(cpus))})
 
 
-def role(cfg: RunConfig, transport: Transport, topo: Topology, role: Role):
+def role(cfg: RunConfig, transport: Transport, topo: Topology, role: Role, *, preemption=None):
+    """Build this rank's role. `preemption`: the flag the signal handler sets; None installs the
+    handler here (a rank of its own process; in-process ranks share one from the main thread,
+    the only thread that may install one)."""
     import signal
 
     from hpc_tba.comm.groups import setup_groups
@@ -75,7 +78,8 @@ def role(cfg: RunConfig, transport: Transport, topo: Topology, role: Role):
 
     # Every rank takes the signals (an unhandled SIGUSR1 would kill a searcher); learners act on
     # them at the next step boundary: checkpoint together, stop the searchers, exit.
-    preemption = install_preemption_handler((*preemption_signals(), signal.SIGTERM))
+    if preemption is None:
+        preemption = install_preemption_handler((*preemption_signals(), signal.SIGTERM))
 
     _pin_threads(cfg.cluster.threads_per_rank)
     if cfg.cluster.backend == "local" and cfg.cluster.pin_cores:

@@ -1,0 +1,139 @@
+"""The whole loop in ONE process: every rank a thread with its own in-process transport endpoint.
+
+    python -m hpc_tba.assembly.inprocess <hydra overrides>     # e.g. learner.total_steps=4
+
+For debugging (one process: one debugger, one py-spy, breakpoints in any role) and unit tests.
+The roles, the weight sync, the buffer and the engines are the real ones, built by the same
+function as under mpiexec (hpc_tba.roles.build.role); only the message transport is
+hpc_tba.comm.inprocess instead of MPI. What one process allows, and how each is handled:
+
+- One learner only: DeepSpeed runs ZeRO-3 on torch.distributed's default process group, and a
+  process has one. `cluster.num_learners > 1` is refused before anything is built.
+- The weight-sync group is the usual standalone gloo group on a TCPStore: learner rank 0's thread
+  holds one end, each searcher's thread its own (their blocking calls release the GIL).
+- gloo only: NCCL refuses two ranks of one group on one GPU, so `cluster.dist_backend` must be
+  gloo (or auto on a machine without CUDA).
+- Signal handlers can only be installed by the main thread: it installs them once and every rank
+  shares the flag (SIGUSR1/SIGTERM checkpoint and stop the run, as under mpiexec).
+- The vLLM engine runs in process (vLLM's own world group of one reuses the learner's default
+  group of one); `searcher.engine_process=true` still starts it in a process of its own.
+- A rank that fails aborts the in-process job: the others stop at their next transport call
+  (`TransportAborted`), and the first failure is raised from `run_in_process`.
+
+Roles share one Python interpreter (the GIL) and `cluster.threads_per_rank` torch threads in
+all: slower than mpiexec, never a throughput measurement.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from collections.abc import Callable
+
+from hpc_tba.comm.inprocess import InProcessNetwork, TransportAborted
+from hpc_tba.comm.transport import Transport
+
+JOIN_POLL_S = 0.2
+
+
+class InProcessError(RuntimeError):
+    """The configuration cannot run in one process."""
+
+
+def check_config(cfg) -> None:
+    """Refuse what one process cannot hold, naming the setting and the reason."""
+    if cfg.cluster.num_learners != 1:
+        raise InProcessError(
+            f"cluster.num_learners={cfg.cluster.num_learners}: an in-process run holds one learner "
+            "(DeepSpeed's ZeRO-3 group is torch.distributed's default group, one per process); "
+            "use hpc-tba train for more")
+    from hpc_tba.comm.groups import resolve_backend
+
+    if resolve_backend(cfg.cluster.dist_backend) != "gloo":
+        raise InProcessError(
+            f"cluster.dist_backend={cfg.cluster.dist_backend} resolves to nccl: an in-process run "
+            "needs gloo (NCCL refuses two ranks of the weight-sync group on one GPU); set "
+            "cluster.dist_backend=gloo")
+
+
+def run_ranks(size: int, make_role: Callable[[Transport], object], *, timeout_s: float = 1800.0) -> list:
+    """Run `size` ranks as threads: each builds its role with `make_role(endpoint)`, runs it and
+    closes it; returns each rank's `run()` result. The first failure aborts the others and is
+    raised here (KeyboardInterrupt in the main thread too)."""
+    net = InProcessNetwork(size, timeout_s=timeout_s)
+    results: list = [None] * size
+    errors: list[tuple[int, BaseException]] = []
+
+    def rank(r: int) -> None:
+        worker = None
+        try:
+            worker = make_role(net.endpoint(r))
+            results[r] = worker.run()
+        except BaseException as e:
+            if not isinstance(e, TransportAborted) or not errors:
+                errors.append((r, e))
+            net.abort(1)
+        finally:
+            if worker is not None:
+                try:
+                    worker.close()
+                except Exception as e:  # a role that cannot close must not hide the first error
+                    errors.append((r, e))
+
+    threads = [threading.Thread(target=rank, args=(r,), name=f"rank{r}", daemon=True) for r in range(size)]
+    for t in threads:
+        t.start()
+    try:
+        while any(t.is_alive() for t in threads):
+            for t in threads:  # short joins: the main thread stays responsive to Ctrl-C
+                t.join(JOIN_POLL_S)
+    except KeyboardInterrupt:
+        net.abort(130)
+        raise
+    first = next(((r, e) for r, e in errors if not isinstance(e, TransportAborted)), errors[0] if errors else None)
+    if first is not None:
+        r, e = first
+        raise RuntimeError(f"in-process rank {r} failed: {type(e).__name__}: {e}") from e
+    return results
+
+
+def run_in_process(cfg) -> dict:
+    """Train with every rank of `cfg` a thread of this process; returns the learner's summary
+    (what `hpc-tba train` prints and writes to <run_dir>/summary.json)."""
+    import signal
+
+    from hpc_tba.config import to_yaml
+    from hpc_tba.launcher.slurm import install_preemption_handler, preemption_signals
+    from hpc_tba.roles import build
+
+    check_config(cfg)
+    topo = build.topology_for(cfg, cfg.cluster.num_learners + cfg.cluster.num_searchers)
+    os.makedirs(cfg.run_dir, exist_ok=True)
+    with open(os.path.join(cfg.run_dir, "config.yaml"), "w") as f:
+        f.write(to_yaml(cfg))
+    preemption = None
+    if threading.current_thread() is threading.main_thread():  # else signals stay as they are
+        preemption = install_preemption_handler((*preemption_signals(), signal.SIGTERM))
+
+    def make_role(transport: Transport):
+        return build.role(cfg, transport, topo, topo.role(transport.rank), preemption=preemption)
+
+    return run_ranks(topo.world_size, make_role)[0]
+
+
+def main(argv: list[str] | None = None) -> int:
+    from hpc_tba.config import ConfigError, compose
+    from hpc_tba.roles.report import print_summary
+
+    try:
+        cfg = compose(sys.argv[1:] if argv is None else argv)
+        check_config(cfg)
+    except (ConfigError, InProcessError) as e:
+        print(f"hpc-tba: {e}", file=sys.stderr)
+        return 2
+    print_summary(run_in_process(cfg), run_dir=cfg.run_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
