@@ -1,8 +1,8 @@
 """The in-process runner (hpc_tba.assembly.inprocess): every rank a thread of one process.
 
 The thread machinery and the refusals are unit tests; the whole loop (1 learner + 1 searcher on
-the embedded default model: vLLM, DeepSpeed ZeRO-3, the gloo weight sync) is `long` and heavy
-(run it under the machine lock)."""
+the embedded default model: vLLM, DeepSpeed ZeRO-3, the gloo weight sync; ~17 s) is heavy: run
+it under the machine lock."""
 from __future__ import annotations
 
 import json
@@ -66,7 +66,10 @@ def test_what_one_process_cannot_hold_is_refused_by_name(tmp_path):
     with pytest.raises(InProcessError, match="num_learners=2.*one learner"):
         check_config(compose(["cluster.num_learners=2", f"run_dir={tmp_path}"]))
     with pytest.raises(InProcessError, match="dist_backend=nccl.*gloo"):
-        check_config(compose(["cluster.dist_backend=nccl", f"run_dir={tmp_path}"]))
+        check_config(compose(["cluster.dist_backend=nccl", "cluster.num_searchers=1", f"run_dir={tmp_path}"]))
+    with pytest.raises(InProcessError, match="num_searchers=2 with in-process engines.*engine_process=true"):
+        check_config(compose([f"run_dir={tmp_path}"]))  # the default: 2 searchers
+    check_config(compose(["searcher.engine_process=true", f"run_dir={tmp_path}"]))
     with pytest.raises(InProcessError, match="num_learners=2"):  # before anything is built
         run_in_process(compose(["cluster.num_learners=2", f"run_dir={tmp_path}"]))
 
@@ -74,7 +77,6 @@ def test_what_one_process_cannot_hold_is_refused_by_name(tmp_path):
 STEPS = 3
 
 
-@pytest.mark.long
 def test_whole_loop_in_one_process_trains_and_syncs_weights(tmp_path):
     run_dir = tmp_path / "run"
     cfg = compose([f"learner.total_steps={STEPS}", "learner.sync_every=1", "learner.eval_every=0",

@@ -15,8 +15,11 @@ hpc_tba.comm.inprocess instead of MPI. What one process allows, and how each is 
   gloo (or auto on a machine without CUDA).
 - Signal handlers can only be installed by the main thread: it installs them once and every rank
   shares the flag (SIGUSR1/SIGTERM checkpoint and stop the run, as under mpiexec).
-- The vLLM engine runs in process (vLLM's own world group of one reuses the learner's default
-  group of one); `searcher.engine_process=true` still starts it in a process of its own.
+- One in-process vLLM engine: its world group of one reuses the learner's default group of one,
+  but vLLM keeps its parallel groups in process-wide state, so a second engine in the same
+  process fails ("... group is already initialized"). More than one searcher therefore needs
+  `searcher.engine_process=true` (each engine in a child process of its own, as it can be under
+  mpiexec); `cluster.num_searchers > 1` without it is refused.
 - A rank that fails aborts the in-process job: the others stop at their next transport call
   (`TransportAborted`), and the first failure is raised from `run_in_process`.
 
@@ -49,6 +52,11 @@ def check_config(cfg) -> None:
             "use hpc-tba train for more")
     from hpc_tba.comm.groups import resolve_backend
 
+    if cfg.cluster.num_searchers > 1 and not cfg.searcher.engine_process:
+        raise InProcessError(
+            f"cluster.num_searchers={cfg.cluster.num_searchers} with in-process engines: vLLM keeps "
+            "its parallel groups in process-wide state, one engine per process; set "
+            "searcher.engine_process=true (each engine in a child process) or cluster.num_searchers=1")
     if resolve_backend(cfg.cluster.dist_backend) != "gloo":
         raise InProcessError(
             f"cluster.dist_backend={cfg.cluster.dist_backend} resolves to nccl: an in-process run "
@@ -131,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, InProcessError) as e:
         print(f"hpc-tba: {e}", file=sys.stderr)
         return 2
-    print_summary(run_in_process(cfg), run_dir=cfg.run_dir)
+    print_summary(run_in_process(cfg))
+    print(f"run directory        {cfg.run_dir}")
     return 0
 
 
