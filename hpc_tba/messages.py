@@ -37,6 +37,7 @@ class Tag(enum.IntEnum):
     DONE = 14
     PROBE = 15
 
+
 _MAGIC = 0x54424132  # "TBA2": TBA1 (older code) also carried reference log-probs
 _OLD_MAGIC = 0x54424131
 _HAS_VERSIONS = 2  # bit of the header's flag byte (bit 0 was TBA1's reference log-probs)

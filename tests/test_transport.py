@@ -44,7 +44,9 @@ def _wait(t, kind, n: int, *, timeout_s: float = 60.0, **kw) -> list:
 def contract(t) -> dict:
     """One rank's side of the contract (rank 1 plays a searcher, rank 0 learner rank 0); returns
     what this rank observed, identical on every implementation."""
-    assert t.size == 2 and t.rank in (0, 1)
+    from hpc_tba.comm.transport import Transport
+
+    assert isinstance(t, Transport) and t.size == 2 and t.rank in (0, 1)
     seen: dict = {"rank": t.rank, "gather": t.allgather_json({"rank": t.rank, "name": f"r{t.rank}"})}
     seen["bcast0"] = t.bcast_json({"manifest": [1, 2, 3]} if t.rank == 0 else None)
     seen["bcast1"] = t.bcast_json(["from", 1] if t.rank == 1 else None, root=1)

@@ -18,7 +18,7 @@ MPI sends are `Isend` with the buffer kept alive until the request completes; re
 from __future__ import annotations
 
 import json
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
@@ -27,6 +27,7 @@ from hpc_tba.messages import Message, Tag, TrajectoryBatch
 M = TypeVar("M", bound=Message)
 
 
+@runtime_checkable
 class Transport(Protocol):
     """What a role needs from the layer that carries its messages."""
 
