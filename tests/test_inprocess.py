@@ -6,7 +6,9 @@ it under the machine lock."""
 from __future__ import annotations
 
 import json
+import threading
 import time
+import types
 
 import pytest
 
@@ -60,6 +62,21 @@ def test_a_failing_rank_aborts_the_others_and_its_error_is_raised():
     with pytest.raises(RuntimeError, match="rank 0 failed: ValueError: the learner broke"):
         run_ranks(2, make)  # rank 1 waits for a STOP that never comes: the abort ends it
     assert time.time() - t0 < 10 and all(r.closed for r in roles)
+
+
+def test_a_rank_blocked_outside_the_transport_is_left_behind_after_the_grace():
+    release = threading.Event()
+
+    def make(t):
+        if t.rank == 1:  # e.g. waiting in a gloo rendezvous for a learner that died
+            return types.SimpleNamespace(run=lambda: release.wait(60), close=lambda: None)
+        return _Ping(t, fail=True)
+
+    t0 = time.time()
+    with pytest.raises(RuntimeError, match=r"rank 0 failed.*\(rank1 still blocked 1 s later, left behind\)"):
+        run_ranks(2, make, abort_grace_s=1.0)
+    assert time.time() - t0 < 10
+    release.set()
 
 
 def test_what_one_process_cannot_hold_is_refused_by_name(tmp_path):

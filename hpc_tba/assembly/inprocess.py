@@ -31,12 +31,16 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable
 
 from hpc_tba.comm.inprocess import InProcessNetwork, TransportAborted
 from hpc_tba.comm.transport import Transport
 
 JOIN_POLL_S = 0.2
+ABORT_GRACE_S = 30.0
+"""After a rank failed, how long the others may take to notice the abort before the run gives
+up on them (a rank blocked inside a torch.distributed call never looks at the transport)."""
 
 
 class InProcessError(RuntimeError):
@@ -64,10 +68,12 @@ def check_config(cfg) -> None:
             "cluster.dist_backend=gloo")
 
 
-def run_ranks(size: int, make_role: Callable[[Transport], object], *, timeout_s: float = 1800.0) -> list:
+def run_ranks(size: int, make_role: Callable[[Transport], object], *, timeout_s: float = 1800.0,
+              abort_grace_s: float = ABORT_GRACE_S) -> list:
     """Run `size` ranks as threads: each builds its role with `make_role(endpoint)`, runs it and
     closes it; returns each rank's `run()` result. The first failure aborts the others and is
-    raised here (KeyboardInterrupt in the main thread too)."""
+    raised here (KeyboardInterrupt in the main thread too); ranks still running `abort_grace_s`
+    after it are left behind (daemon threads: they end with the process)."""
     net = InProcessNetwork(size, timeout_s=timeout_s)
     results: list = [None] * size
     errors: list[tuple[int, BaseException]] = []
@@ -91,17 +97,22 @@ def run_ranks(size: int, make_role: Callable[[Transport], object], *, timeout_s:
     threads = [threading.Thread(target=rank, args=(r,), name=f"rank{r}", daemon=True) for r in range(size)]
     for t in threads:
         t.start()
+    deadline = None
     try:
-        while any(t.is_alive() for t in threads):
+        while any(t.is_alive() for t in threads) and (deadline is None or time.time() < deadline):
             for t in threads:  # short joins: the main thread stays responsive to Ctrl-C
-                t.join(JOIN_POLL_S)
+                t.join(JOIN_POLL_S / size)
+            if errors and deadline is None:
+                deadline = time.time() + abort_grace_s
     except KeyboardInterrupt:
         net.abort(130)
         raise
+    stuck = [t.name for t in threads if t.is_alive()]
     first = next(((r, e) for r, e in errors if not isinstance(e, TransportAborted)), errors[0] if errors else None)
     if first is not None:
         r, e = first
-        raise RuntimeError(f"in-process rank {r} failed: {type(e).__name__}: {e}") from e
+        left = f" ({', '.join(stuck)} still blocked {abort_grace_s:.0f} s later, left behind)" if stuck else ""
+        raise RuntimeError(f"in-process rank {r} failed: {type(e).__name__}: {e}{left}") from e
     return results
 
 
