@@ -1,9 +1,18 @@
 """Typed messages between roles, packed as contiguous numpy arrays.
 
-Everything that crosses MPI is a frozen dataclass here with `pack()` -> one contiguous uint8 array
-and `unpack(buf)`: a fixed little-endian header of array lengths followed by the arrays' raw
-bytes. No pickle: the bytes are data, never code. MPI traffic is trusted cluster-internal traffic,
-but a malformed buffer still fails with a clear error instead of producing garbage.
+Everything that crosses the transport (hpc_tba.comm.transport) is a frozen dataclass here with
+`pack()` -> one contiguous uint8 array, `unpack(buf)`, and the `TAG` it travels under: a fixed
+little-endian header followed by raw array bytes. No pickle: the bytes are data, never code. MPI
+traffic is trusted cluster-internal traffic, but a malformed buffer still fails with a clear error
+instead of producing garbage.
+
+    TRAJ   searcher -> owning learner   TrajectoryBatch: one prompt's responses
+    EVAL   searcher -> learner 0        EvalReport: held-out pass@1 counts of one version
+    STOP   learner 0 -> searcher        Stop: finish the round and stop (the final version)
+    DONE   searcher -> every learner    Done: trajectories sent to that learner, so it drains
+                                        until it has received that many (nothing left in flight)
+    PROBE  searcher -> learner 0        ProbeReport: a fixed probe's log-probs under the engine
+                                        right after it applied a version (sync correctness check)
 
 A `TrajectoryBatch` holds the n responses a searcher generated for ONE prompt (the unit of routing:
 every sample of a prompt goes to the buffer shard that owns it, because TB's logZ is per prompt).
@@ -12,13 +21,34 @@ Responses are ragged, so tokens and per-token log-probs are stored flat with per
 from __future__ import annotations
 
 import dataclasses
+import enum
 import struct
 from typing import ClassVar
 
 import numpy as np
 
-_MAGIC = 0x54424131  # "TBA1"
-_HAS_REF, _HAS_VERSIONS = 1, 2  # bits of the header's flag byte
+
+class Tag(enum.IntEnum):
+    """The transport tag of each message type (MPI tags; the in-process transport's queues)."""
+
+    TRAJ = 11
+    EVAL = 12
+    STOP = 13
+    DONE = 14
+    PROBE = 15
+
+
+_MAGIC = 0x54424132  # "TBA2": TBA1 (older code) also carried reference log-probs
+_OLD_MAGIC = 0x54424131
+_HAS_VERSIONS = 2  # bit of the header's flag byte (bit 0 was TBA1's reference log-probs)
+_HEAD = "<IqqidB5q"
+
+
+def _bytes_view(buf: np.ndarray | bytes) -> memoryview:
+    """The message's bytes, whether it came as a uint8 array (the transports) or as bytes."""
+    if isinstance(buf, (bytes, bytearray, memoryview)):
+        return memoryview(buf).cast("B")
+    return memoryview(np.ascontiguousarray(buf, dtype=np.uint8)).cast("B")
 
 
 def _versions_i32(v: np.ndarray) -> np.ndarray:
@@ -57,14 +87,13 @@ class TrajectoryBatch:
     """Index of the searcher that generated it."""
     timestamp: float
     """Unix time at which generation finished."""
-    logp_ref: np.ndarray | None = None
-    """Optional [sum(lengths)] float32 per-token log-probs under the reference policy."""
     token_versions: np.ndarray | None = None
     """Optional [sum(lengths)] int64 weight version that produced each token (in-flight updates);
-    None: `policy_version` for every token (messages from before per-token versions too)."""
+    None: `policy_version` for every token."""
 
+    TAG: ClassVar[Tag] = Tag.TRAJ
     _INT_FIELDS: ClassVar[tuple[str, ...]] = ("prompt_tokens", "response_tokens", "lengths")
-    _FLOAT_FIELDS: ClassVar[tuple[str, ...]] = ("rewards", "logp_behavior", "logp_ref")
+    _FLOAT_FIELDS: ClassVar[tuple[str, ...]] = ("rewards", "logp_behavior")
 
     def __post_init__(self) -> None:
         n_tok = int(np.sum(self.lengths))
@@ -72,8 +101,6 @@ class TrajectoryBatch:
             raise ValueError(f"response_tokens has {self.response_tokens.shape}, lengths sum to {n_tok}")
         if self.logp_behavior.shape != (n_tok,):
             raise ValueError(f"logp_behavior has {self.logp_behavior.shape}, lengths sum to {n_tok}")
-        if self.logp_ref is not None and self.logp_ref.shape != (n_tok,):
-            raise ValueError(f"logp_ref has {self.logp_ref.shape}, lengths sum to {n_tok}")
         if self.token_versions is not None:
             if self.token_versions.shape != (n_tok,):
                 raise ValueError(f"token_versions has {self.token_versions.shape}, lengths sum to {n_tok}")
@@ -101,29 +128,30 @@ class TrajectoryBatch:
 
     def pack(self) -> np.ndarray:
         """One contiguous uint8 array: header then int32 arrays then float32 arrays, then (flag
-        bit 1) the int32 per-token versions, as many as response tokens. A message without them
-        is byte for byte what older code wrote, and older messages unpack unchanged."""
+        bit 1) the int32 per-token versions, as many as response tokens."""
         ints = [np.ascontiguousarray(getattr(self, f), dtype="<i4") for f in self._INT_FIELDS]
-        floats = [self.rewards, self.logp_behavior,
-                  self.logp_ref if self.logp_ref is not None else np.zeros(0)]
-        floats = [np.ascontiguousarray(a, dtype="<f4") for a in floats]
-        flags = (_HAS_REF if self.logp_ref is not None else 0) | \
-            (_HAS_VERSIONS if self.token_versions is not None else 0)
+        floats = [np.ascontiguousarray(getattr(self, f), dtype="<f4") for f in self._FLOAT_FIELDS]
+        flags = _HAS_VERSIONS if self.token_versions is not None else 0
         header = struct.pack(
-            "<IqqidB6q", _MAGIC, self.prompt_id, self.policy_version, self.searcher_id,
+            _HEAD, _MAGIC, self.prompt_id, self.policy_version, self.searcher_id,
             self.timestamp, flags, *(a.size for a in ints + floats))
         tail = [] if self.token_versions is None else [_versions_i32(self.token_versions)]
         return np.frombuffer(header + b"".join(a.tobytes() for a in ints + floats + tail), dtype=np.uint8)
 
     @classmethod
     def unpack(cls, buf: np.ndarray | bytes) -> TrajectoryBatch:
-        raw = memoryview(np.asarray(buf, dtype=np.uint8)).cast("B")
-        head = struct.calcsize("<IqqidB6q")
+        raw = _bytes_view(buf)
+        head = struct.calcsize(_HEAD)
+        if len(raw) >= 4 and struct.unpack_from("<I", raw)[0] == _OLD_MAGIC:
+            raise ValueError("trajectory message in the older TBA1 format: every rank of a job "
+                             "must run the same hpc_tba")
         if len(raw) < head:
             raise ValueError(f"trajectory message of {len(raw)} bytes is shorter than its header")
-        magic, pid, version, sid, ts, flags, *sizes = struct.unpack_from("<IqqidB6q", raw)
+        magic, pid, version, sid, ts, flags, *sizes = struct.unpack_from(_HEAD, raw)
         if magic != _MAGIC:
             raise ValueError(f"not a trajectory message (magic {magic:#x})")
+        if flags & ~_HAS_VERSIONS:
+            raise ValueError(f"trajectory message has unknown flags {flags:#x}")
         n_ver = sizes[1] if flags & _HAS_VERSIONS else 0
         if head + 4 * (sum(sizes) + n_ver) != len(raw):
             raise ValueError(f"trajectory message is {len(raw)} bytes, header says "
@@ -133,13 +161,13 @@ class TrajectoryBatch:
             dtype = "<i4" if i < 3 else "<f4"
             arrays.append(np.frombuffer(raw, dtype=dtype, count=size, offset=off).copy())
             off += 4 * size
-        p, r, lens, rew, lb, lr = arrays
+        p, r, lens, rew, lb = arrays
         tv = None
         if n_ver:
             tv = np.frombuffer(raw, dtype="<i4", count=n_ver, offset=off).astype(np.int64)
         return cls(prompt_id=pid, prompt_tokens=p, response_tokens=r, lengths=lens, rewards=rew,
                    logp_behavior=lb, policy_version=version, searcher_id=sid, timestamp=ts,
-                   logp_ref=lr if flags & _HAS_REF else None, token_versions=tv)
+                   token_versions=tv)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,8 +192,6 @@ class SampledBatch:
     """B float32 arrays of per-token behaviour log-probs."""
     policy_versions: np.ndarray
     """[B] int64 version that generated each row (the oldest of its tokens when mixed)."""
-    logp_ref: list[np.ndarray] | None = None
-    """Optional B float32 arrays of per-token reference log-probs."""
     advantages: np.ndarray | None = None
     """Optional [B] float32 precomputed advantages (A-LoL)."""
     token_versions: list[np.ndarray] | None = None
@@ -205,3 +231,142 @@ class SampledBatch:
 
 def _oldest(versions: np.ndarray, default: int) -> int:
     return int(versions.min()) if versions.size else default
+
+
+# ---------------------------------------------------------------------------------------------
+# Control messages: a header u32 magic "TBAC", u32 tag, then the fixed fields (and, for a probe,
+# its float64 log-probs).
+_CONTROL_MAGIC = 0x54424143  # "TBAC"
+_CONTROL_HEAD = struct.Struct("<II")
+
+
+def _pack_control(tag: Tag, fields: struct.Struct, values: tuple, tail: np.ndarray | None = None) -> np.ndarray:
+    raw = _CONTROL_HEAD.pack(_CONTROL_MAGIC, int(tag)) + fields.pack(*values)
+    if tail is not None:
+        raw += np.ascontiguousarray(tail, dtype="<f8").tobytes()
+    return np.frombuffer(raw, dtype=np.uint8)
+
+
+def _unpack_control(buf: np.ndarray | bytes, tag: Tag, fields: struct.Struct, *,
+                    tail: bool = False) -> tuple[tuple, np.ndarray | None]:
+    """(fixed fields, float64 tail or None) of a control message of `tag`; ValueError naming the
+    problem for a buffer that is not one."""
+    raw = _bytes_view(buf)
+    name = tag.name
+    want = _CONTROL_HEAD.size + fields.size
+    if len(raw) < want:
+        raise ValueError(f"{name} message of {len(raw)} bytes is shorter than its {want}-byte header")
+    magic, got = _CONTROL_HEAD.unpack_from(raw)
+    if magic != _CONTROL_MAGIC:
+        raise ValueError(f"not a control message (magic {magic:#x}), expected {name}")
+    if got != tag:
+        other = Tag(got).name if got in Tag._value2member_map_ else f"tag {got}"
+        raise ValueError(f"expected a {name} message, got {other}")
+    extra = len(raw) - want
+    if not tail and extra:
+        raise ValueError(f"{name} message is {len(raw)} bytes, expected {want}")
+    if tail and extra % 8:
+        raise ValueError(f"{name} message is {len(raw)} bytes: its float64 tail of {extra} bytes is "
+                         "not a whole number of values")
+    values = fields.unpack_from(raw, _CONTROL_HEAD.size)
+    rest = np.frombuffer(raw, dtype="<f8", offset=want).copy() if tail else None
+    return values, rest
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalReport:
+    """searcher -> learner 0: greedy pass@1 counts on this searcher's slice of the test split."""
+
+    policy_version: int
+    """The weight version that was evaluated."""
+    correct: int
+    """Test prompts answered correctly."""
+    total: int
+    """Test prompts in this searcher's slice (a prompt too long for the engine counts, wrong)."""
+
+    TAG: ClassVar[Tag] = Tag.EVAL
+    _FIELDS: ClassVar[struct.Struct] = struct.Struct("<qqq")
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.correct <= self.total:
+            raise ValueError(f"eval report: {self.correct} correct of {self.total}")
+
+    def pack(self) -> np.ndarray:
+        return _pack_control(self.TAG, self._FIELDS, (self.policy_version, self.correct, self.total))
+
+    @classmethod
+    def unpack(cls, buf: np.ndarray | bytes) -> EvalReport:
+        (version, correct, total), _ = _unpack_control(buf, cls.TAG, cls._FIELDS)
+        return cls(version, correct, total)
+
+
+@dataclasses.dataclass(frozen=True)
+class Stop:
+    """learner 0 -> searcher: finish the current round and stop."""
+
+    policy_version: int
+    """The learner's final weight version."""
+
+    TAG: ClassVar[Tag] = Tag.STOP
+    _FIELDS: ClassVar[struct.Struct] = struct.Struct("<q")
+
+    def pack(self) -> np.ndarray:
+        return _pack_control(self.TAG, self._FIELDS, (self.policy_version,))
+
+    @classmethod
+    def unpack(cls, buf: np.ndarray | bytes) -> Stop:
+        (version,), _ = _unpack_control(buf, cls.TAG, cls._FIELDS)
+        return cls(version)
+
+
+@dataclasses.dataclass(frozen=True)
+class Done:
+    """searcher -> every learner, its last message: how many trajectories it sent there."""
+
+    sent: int
+    """TrajectoryBatch messages this searcher sent to the receiving learner."""
+
+    TAG: ClassVar[Tag] = Tag.DONE
+    _FIELDS: ClassVar[struct.Struct] = struct.Struct("<q")
+
+    def __post_init__(self) -> None:
+        if self.sent < 0:
+            raise ValueError(f"done message: {self.sent} trajectories sent")
+
+    def pack(self) -> np.ndarray:
+        return _pack_control(self.TAG, self._FIELDS, (self.sent,))
+
+    @classmethod
+    def unpack(cls, buf: np.ndarray | bytes) -> Done:
+        (sent,), _ = _unpack_control(buf, cls.TAG, cls._FIELDS)
+        return cls(sent)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbeReport:
+    """searcher -> learner 0: the probe response's per-token log-probs (T = 1) under the engine
+    right after it applied `policy_version` (the learner compares them with its own)."""
+
+    policy_version: int
+    """The weight version the engine had just applied."""
+    logp: np.ndarray
+    """[R] float64 log-probs of the probe's R response tokens."""
+
+    TAG: ClassVar[Tag] = Tag.PROBE
+    _FIELDS: ClassVar[struct.Struct] = struct.Struct("<q")
+
+    def __post_init__(self) -> None:
+        if np.ndim(self.logp) != 1:
+            raise ValueError(f"probe log-probs must be one array of tokens, got shape {np.shape(self.logp)}")
+
+    def pack(self) -> np.ndarray:
+        return _pack_control(self.TAG, self._FIELDS, (self.policy_version,), self.logp)
+
+    @classmethod
+    def unpack(cls, buf: np.ndarray | bytes) -> ProbeReport:
+        (version,), logp = _unpack_control(buf, cls.TAG, cls._FIELDS, tail=True)
+        return cls(version, logp)
+
+
+Message = TrajectoryBatch | EvalReport | Stop | Done | ProbeReport
+"""Every type that crosses the transport."""

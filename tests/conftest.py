@@ -21,3 +21,17 @@ def gloo_deepspeed(rank: int, world: int, port: int) -> None:
 
     deepspeed.init_distributed("gloo", auto_mpi_discovery=False, rank=rank, world_size=world,
                                init_method=f"tcp://127.0.0.1:{port}", verbose=False)
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _torch_set_num_threads_restored():
+    """vLLM's CPU worker replaces `torch.set_num_threads` with a no-op when an engine is built in
+    this process (vllm/v1/worker/cpu_worker.py: its threads are bound); every later test of this
+    process would then set threads in vain. Put the real one back after each test."""
+    yield
+    torch = sys.modules.get("torch")
+    if torch is not None and hasattr(torch, "_C") and torch.set_num_threads is not torch._C.set_num_threads:
+        torch.set_num_threads = torch._C.set_num_threads

@@ -168,7 +168,7 @@ CHILD = textwrap.dedent("""
             b = child_batch(i)
             frame = encode_traj(TrajRecord(b.prompt_id, b.policy_version, 0, b.timestamp, 0.0,
                                            b.prompt_tokens, b.lengths, b.rewards, None,
-                                           b.response_tokens, b.logp_behavior, None))
+                                           b.response_tokens, b.logp_behavior))
             with open(seg, "ab") as f:
                 f.write(frame[: len(frame) // 2])
             print("torn", flush=True)
@@ -262,29 +262,73 @@ def test_sigkill_with_eviction_and_compaction_rebuilds_a_prefix(tmp_path):
     assert per_prompt(reference) == got
 
 
-def test_reference_logprobs_and_advantages_survive_restart_and_compaction(tmp_path):
+def test_advantages_survive_restart_and_compaction(tmp_path):
     cfg = _cfg(per_prompt_capacity=2, compact_ratio=0.2)
     a = BufferShard(cfg, directory=str(tmp_path))
     rng = np.random.default_rng(2)
-    for i in range(2500):  # mixed: some messages with reference log-probs, some with advantages
-        b = random_batch(rng, i % 30, 3, vocab=1000, version=i, with_ref=i % 2 == 0)
+    for i in range(2500):  # mixed: some messages with advantages, some without
+        b = random_batch(rng, i % 30, 3, vocab=1000, version=i)
         a.add(b, advantages=b.rewards + 1 if i % 3 == 0 else None)
 
     def rows(shard: BufferShard) -> list:
         st, out = shard.store, []
         for slot in st.live_slots().tolist():
             o, n = int(st.s["off"][slot]), int(st.s["len"][slot])
-            ref = st.ref[o:o + n].tobytes() if st.s["has_ref"][slot] else None
-            out.append((int(st.s["pid"][slot]), st.tok[o:o + n].tobytes(), ref,
+            out.append((int(st.s["pid"][slot]), st.tok[o:o + n].tobytes(), st.logp[o:o + n].tobytes(),
                         float(np.nan_to_num(st.s["adv"][slot], nan=-99.0))))
         return out
 
     assert a.metrics()["buffer/compactions"] >= 1
     want = rows(a)
-    assert any(r[2] is not None for r in want) and any(r[2] is None for r in want)
     assert any(r[3] != -99.0 for r in want) and any(r[3] == -99.0 for r in want)
     a.close()
     assert rows(BufferShard(cfg, directory=str(tmp_path))) == want
+
+
+def _old_record_with_reference(b, *, advantages: np.ndarray) -> bytes:
+    """A kind-1 record as versions before the reference log-probs left the buffer wrote it: flag
+    bit 0 set and f32[T] reference log-probs after the behaviour ones."""
+    import struct
+    import zlib
+
+    from hpc_tba.buffer.segments import FRAME, KIND_TRAJ, REC_MAGIC, TRAJ_HEAD
+
+    head = TRAJ_HEAD.pack(b.prompt_id, b.policy_version, b.searcher_id, b.timestamp, b.timestamp,
+                          b.lengths.size, b.prompt_tokens.size, b.response_tokens.size, 1 | 2, 0, 0)
+    payload = b"".join([head, b.prompt_tokens.astype("<i4").tobytes(), b.lengths.astype("<i4").tobytes(),
+                        b.rewards.astype("<f4").tobytes(), advantages.astype("<f4").tobytes(),
+                        b.response_tokens.astype("<i4").tobytes(), b.logp_behavior.astype("<f4").tobytes(),
+                        (2 * b.logp_behavior).astype("<f4").tobytes()])
+    crc = zlib.crc32(payload, zlib.crc32(struct.pack("<II", KIND_TRAJ, len(payload))))
+    return FRAME.pack(REC_MAGIC, KIND_TRAJ, len(payload), crc) + payload
+
+
+def test_segments_with_reference_logprobs_from_older_versions_still_read(tmp_path):
+    """Older versions stored reference log-probs (flag bit 0) that nothing read: a segment
+    written by them replays exactly, the reference values skipped, and appends continue."""
+    cfg = _cfg(sampler="uniform")
+    a = BufferShard(cfg, directory=str(tmp_path))
+    a.add(make_batch(0, [[9, 9]], [0.0]))  # creates the segment file and its manifest
+    a.close()
+    seg = os.path.join(shard_dir(str(tmp_path), 0, 1, 0), "seg-00000000.tbs")
+    old = [make_batch(p, [[p, 1, 2], [p, 3]], [0.5, 1.0], version=p) for p in (1, 2)]
+    with open(seg, "ab") as f:
+        for b in old:
+            f.write(_old_record_with_reference(b, advantages=b.rewards - 0.25))
+    scan = read_segment(seg)
+    assert scan.torn_bytes == 0 and len(scan.records) == 3
+    rec = scan.records[1]
+    assert rec.response_tokens.tolist() == [1, 1, 2, 1, 3] and rec.advantages.tolist() == [0.25, 0.75]
+    assert rec.logp_behavior.tobytes() == old[0].logp_behavior.tobytes()
+    b = BufferShard(cfg, directory=str(tmp_path))
+    want = BufferShard(cfg)
+    want.add(make_batch(0, [[9, 9]], [0.0]))
+    for x in old:
+        want.add(x, advantages=x.rewards - 0.25)
+    assert contents([b]) == contents([want])
+    b.add(make_batch(3, [[4]], [1.0]))
+    b.close()
+    assert len(BufferShard(cfg, directory=str(tmp_path))) == 6
 
 
 def test_checkpoint_offsets_expose_lost_unsynced_bytes(tmp_path, caplog):

@@ -41,7 +41,7 @@ def test_sample_layout_and_rows_are_stored_responses(sampler):
     shard = BufferShard(_cfg(sampler=sampler, recency_m=0.5, inv_temp=1.0))
     added = {}
     for pid in range(6):
-        b = random_batch(rng, pid, 5, vocab=1000, version=pid, with_ref=True)
+        b = random_batch(rng, pid, 5, vocab=1000, version=pid)
         shard.add(b, advantages=b.rewards - 0.1)
         logps = np.split(b.logp_behavior, np.cumsum(b.lengths)[:-1])
         added[pid] = {tuple(r.tolist()): (float(w), lp.tobytes())
@@ -58,7 +58,6 @@ def test_sample_layout_and_rows_are_stored_responses(sampler):
         reward, logp = added[pid][tuple(out.response_tokens[i].tolist())]
         assert out.rewards[i] == reward and out.logp_behavior[i].tobytes() == logp
         assert out.policy_versions[i] == pid and out.prompt_tokens[i][1] == pid
-        assert out.logp_ref[i].shape == out.response_tokens[i].shape
     assert out.advantages is not None and np.allclose(out.advantages, out.rewards - 0.1)
     m = shard.staleness(out, 10)
     assert m["buffer/staleness_max"] == 10 - out.policy_versions.min()
@@ -170,20 +169,3 @@ def test_capacity_and_dedupe_match_reference(batches, cap, capacity, eviction, c
             shard.store.compact()  # holes squeezed out mid-stream must change nothing
         assert per_prompt(shard) == ref.per_prompt()
         assert len(shard) == len(ref.rows)
-
-
-def test_reference_logprobs_are_returned_only_when_every_row_has_them():
-    shard = BufferShard(_cfg(sampler="uniform"))
-    shard.add(make_batch(0, [[1, 2], [3]], [0.0, 1.0]))
-    shard.add(make_batch(1, [[4, 5, 6]], [0.0], with_ref=True))
-    out = shard.sample(1, 1, learner_version=0)
-    seen = set()
-    for _ in range(40):
-        out = shard.sample(1, 1, learner_version=0)
-        pid = int(out.prompt_ids[0])
-        seen.add(pid)
-        if pid == 1:
-            assert np.array_equal(out.logp_ref[0], 2 * out.logp_behavior[0])
-        else:
-            assert out.logp_ref is None
-    assert seen == {0, 1}

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from hpc_tba.comm.inprocess import InProcessNetwork, InProcessTransport
 from hpc_tba.comm.weight_sync import StagedWeights
 from hpc_tba.messages import TrajectoryBatch
 
@@ -67,15 +68,16 @@ class _Receiver:
         yield
 
 
-class _Transport:
+class _Transport(InProcessTransport):
+    """The searcher's (rank 1) in-process endpoint; `sent`: what learner rank 0 received."""
+
     def __init__(self):
+        super().__init__(InProcessNetwork(2), 1)
         self.sent: list[TrajectoryBatch] = []
 
-    def send_trajectory(self, dest: int, batch: TrajectoryBatch) -> None:
-        self.sent.append(TrajectoryBatch.unpack(batch.pack()))  # through the wire format
-
-    def progress(self) -> int:
-        return 0
+    def send(self, dest: int, message) -> None:
+        super().send(dest, message)  # through the wire format
+        self.sent += [b for _, b in self.network.endpoint(0).receive(TrajectoryBatch)]
 
 
 def _searcher(tmp_path, model_path, receiver, **overrides):

@@ -126,8 +126,7 @@ def test_every_nccl_group_gets_the_gloo_timeout(monkeypatch):
     monkeypatch.setenv("HPC_TBA_MASTER_ADDR", "10.0.0.1")
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(k, raising=False)
-    transport = types.SimpleNamespace(rank=0, comm=types.SimpleNamespace(allgather=lambda x: [x, "b"]),
-                                      bcast_json=lambda obj: obj)
+    transport = types.SimpleNamespace(rank=0, allgather_json=lambda x: [x, "b"], bcast_json=lambda obj: obj)
     topo = Topology.build(2, 1, 1)
     groups.setup_groups(transport, topo, backend="nccl")
     assert seen["init"]["timeout"] == datetime.timedelta(seconds=1800)

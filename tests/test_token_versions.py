@@ -23,14 +23,14 @@ def _mixed(pid: int, responses, versions, rewards=None) -> TrajectoryBatch:
                            searcher_id=0, timestamp=1.0, token_versions=tv)
 
 
-def test_message_round_trip_and_backward_compatibility():
+def test_message_round_trip_with_and_without_token_versions():
     b = _mixed(3, [[1, 2, 3], [4, 5]], [[4, 4, 5], [5, 6]])
     back = TrajectoryBatch.unpack(b.pack())
     assert back.token_versions.tolist() == [4, 4, 5, 5, 6] and back.policy_version == 4
     plain = make_batch(3, [[1, 2, 3]], [1.0], version=7)
     packed = plain.pack()
-    head = struct.calcsize("<IqqidB6q")
-    assert len(packed) == head + 4 * (3 + 3 + 1 + 1 + 3)  # the layout older code wrote, unchanged
+    head = struct.calcsize("<IqqidB5q")
+    assert len(packed) == head + 4 * (3 + 3 + 1 + 1 + 3)  # no per-token versions: none on the wire
     old = TrajectoryBatch.unpack(packed)
     assert old.token_versions is None and old.versions().tolist() == [7, 7, 7]
     with pytest.raises(ValueError, match="oldest token version"):

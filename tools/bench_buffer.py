@@ -28,8 +28,7 @@ from hpc_tba.buffer import BufferConfig, BufferShard
 from hpc_tba.messages import TrajectoryBatch
 
 
-def make_batches(n_batches: int, n: int, length: int, prompts: int, *, with_ref: bool,
-                 seed: int = 0) -> list[TrajectoryBatch]:
+def make_batches(n_batches: int, n: int, length: int, prompts: int, *, seed: int = 0) -> list[TrajectoryBatch]:
     rng = np.random.default_rng(seed)
     out = []
     for i in range(n_batches):
@@ -38,8 +37,7 @@ def make_batches(n_batches: int, n: int, length: int, prompts: int, *, with_ref:
         out.append(TrajectoryBatch(
             prompt_id=i % prompts, prompt_tokens=np.arange(32, dtype=np.int32), response_tokens=toks,
             lengths=np.full(n, length, dtype=np.int32), rewards=rng.random(n, dtype=np.float32),
-            logp_behavior=logp, policy_version=i // 100, searcher_id=0, timestamp=time.time(),
-            logp_ref=logp * 1.1 if with_ref else None))
+            logp_behavior=logp, policy_version=i // 100, searcher_id=0, timestamp=time.time()))
     return out
 
 
@@ -48,7 +46,7 @@ def bench(args: argparse.Namespace, directory: str | None) -> dict[str, float]:
                        eviction=args.eviction,
                        per_prompt_capacity=100, recency_m=0.5, inv_temp=1.0, fsync="interval")
     rounds = [make_batches(args.batches, args.responses, args.length, args.prompts,
-                           with_ref=args.with_ref, seed=r) for r in range(args.repeat)]
+                           seed=r) for r in range(args.repeat)]
     shard = BufferShard(cfg, directory=directory)
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     t0, c0 = time.perf_counter(), time.process_time()
@@ -66,7 +64,7 @@ def bench(args: argparse.Namespace, directory: str | None) -> dict[str, float]:
     sampled = args.samples * args.groups * args.k
     st = shard.store
     live_tokens = int(st.s["len"][st.live_slots()].sum())
-    raw_per_token = 12 if args.with_ref else 8
+    raw_per_token = 8  # int32 token + float32 behaviour log-prob
     m = shard.metrics()
     shard.close()
     ins, smp = inserted / t_insert, sampled / t_sample
@@ -92,7 +90,6 @@ def main() -> None:
     p.add_argument("--k", type=int, default=20, help="responses per prompt (K)")
     p.add_argument("--sampler", default="tba")
     p.add_argument("--eviction", default="oldest", help="oldest or lowest_reward")
-    p.add_argument("--with-ref", action="store_true", help="also store reference log-probs")
     p.add_argument("--durable", action="store_true", help="also log to segment files (tmpdir)")
     args = p.parse_args()
     tmp = tempfile.TemporaryDirectory(prefix="bench_buffer_")  # segments removed at exit

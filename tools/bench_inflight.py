@@ -39,21 +39,19 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 class QueueTransport:
-    """Stand-in for MPITransport: hands every packed batch to the learner thread."""
+    """Stand-in for a Transport (comm.transport): hands every packed batch to the learner thread."""
 
     def __init__(self) -> None:
         self.q: queue.Queue = queue.Queue()
         self.sent_to: dict[int, int] = {}
         self.tokens = 0
 
-    def send_trajectory(self, dest: int, batch) -> None:
+    def send(self, dest: int, message) -> None:
         from hpc_tba.messages import TrajectoryBatch
 
-        self.tokens += int(batch.lengths.sum())
-        self.q.put(TrajectoryBatch.unpack(batch.pack()))
-
-    def send_array(self, dest: int, tag, values) -> None:
-        pass
+        if isinstance(message, TrajectoryBatch):  # control messages are not benchmarked
+            self.tokens += int(message.lengths.sum())
+            self.q.put(TrajectoryBatch.unpack(message.pack()))
 
     def progress(self) -> int:
         return 0

@@ -32,19 +32,19 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 class RecordingTransport:
-    """Stand-in for MPITransport: keeps packed messages instead of sending them."""
+    """Stand-in for a Transport (comm.transport): keeps packed trajectories instead of sending them."""
 
     def __init__(self) -> None:
         self.rank = 1
         self.sent_to: dict[int, int] = {}
         self.messages: list[tuple[int, np.ndarray]] = []  # (dest, packed TrajectoryBatch bytes)
 
-    def send_trajectory(self, dest: int, batch) -> None:
-        self.messages.append((dest, batch.pack()))
-        self.sent_to[dest] = self.sent_to.get(dest, 0) + 1
+    def send(self, dest: int, message) -> None:
+        from hpc_tba.messages import TrajectoryBatch
 
-    def send_array(self, dest: int, tag, values: np.ndarray) -> None:
-        pass
+        if isinstance(message, TrajectoryBatch):  # control messages are not benchmarked
+            self.messages.append((dest, message.pack()))
+            self.sent_to[dest] = self.sent_to.get(dest, 0) + 1
 
     def progress(self) -> int:
         return 0

@@ -103,7 +103,7 @@ def replay_side(cfg, transport, groups, recording: str) -> None:
     receiver = WeightReceiver(Manifest.from_json(setup["manifest"]), groups.sync_group, device=device)
     n = 0
     for batch in replay(recording):
-        transport.send_trajectory(0, batch)
+        transport.send(0, batch)
         n += 1
     transport.flush()
     transport.bcast_json({"sent": n}, root=1)

@@ -48,21 +48,28 @@ class RankSetup:
         return self.transport.rank
 
 
-def setup_rank(cfg, transport: Any = None) -> RankSetup:
-    """Transport, layout, placement check, GPU pinning, preemption signals, thread/core pinning."""
+def setup_rank(cfg, transport: Any = None, *, preemption: PreemptionFlag | None = None) -> RankSetup:
+    """Transport, layout, placement check, GPU pinning, preemption signals, thread/core pinning.
+
+    `preemption`: a flag the caller already routes the signals to, for ranks that share one
+    process as threads (hpc_tba.assembly.inprocess): the process-wide set-up (signal handlers,
+    which only the main thread may install; Slurm's placement check and GPU pinning, which are
+    per process) is then the caller's.
+    """
     if transport is None:
         from hpc_tba.comm.transport import MPITransport
 
         transport = MPITransport()
     rank = transport.rank
     topo = Topology.for_run(cfg, transport.size)
-    env = SlurmEnv.from_environ()
+    env = SlurmEnv.from_environ() if preemption is None else None
     check_placement(topo, rank, env)
     if env is not None and cfg.cluster.gpus_per_node:  # before anything initialises CUDA
         os.environ["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices(topo, rank)
     # Every rank takes the signals (an unhandled SIGUSR1 would kill a searcher); learners act on
     # them at the next step boundary: checkpoint together, stop the searchers, exit.
-    preemption = install_preemption_handler((*preemption_signals(), signal.SIGTERM))
+    if preemption is None:
+        preemption = install_preemption_handler((*preemption_signals(), signal.SIGTERM))
     pin_threads(cfg.cluster.threads_per_rank)
     if cfg.cluster.backend == "local" and cfg.cluster.pin_cores:
         pin_cores(rank, topo)

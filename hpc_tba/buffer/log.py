@@ -356,5 +356,4 @@ def _record(st, slots: np.ndarray) -> TrajRecord:
     return TrajRecord(pid, int(s["version"][i]), int(s["searcher"][i]), float(s["time"][i]),
                       float(s["accept"][i]), st.prompts[pid].tokens, s["len"][slots],
                       s["reward"][slots], None if np.isnan(adv).all() else adv, st.tok[idx],
-                      st.logp[idx], st.ref[idx] if s["has_ref"][slots].all() else None,
-                      token_versions=st.ver[idx] if st.ver.size else None)
+                      st.logp[idx], token_versions=st.ver[idx] if st.ver.size else None)

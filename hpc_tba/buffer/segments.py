@@ -14,12 +14,13 @@ A segment file is a 16-byte header followed by records, all little-endian:
                  i64 prompt_id, i64 policy_version, i64 searcher_id,
                  f64 timestamp (generation), f64 accept_time (when the shard took it),
                  u32 n (responses), u32 P (prompt tokens), u32 T (response tokens),
-                 u32 flags (bit 0: reference log-probs present, bit 1: advantages present,
-                 bit 2: per-token weight versions present),
+                 u32 flags (bit 1: advantages present, bit 2: per-token weight versions
+                 present; bit 0: reference log-probs present, written by older versions only,
+                 read past and dropped: the learner computes the reference itself),
                  u32 duplicates dropped inside the batch, u32 responses over the per-prompt cap
                  (neither is stored; the counts keep buffer/duplicates exact across restarts)
                  i32[P] prompt tokens, i32[n] lengths, f32[n] rewards, f32[n] advantages (bit 1),
-                 i32[T] response tokens, f32[T] behaviour log-probs, f32[T] ref log-probs (bit 0),
+                 i32[T] response tokens, f32[T] behaviour log-probs, f32[T] ref log-probs (bit 0, older segments),
                  i32[T] the weight version of each token (bit 2; else policy_version for all)
     kind 2 payload: i64 version, f64 time        (mark_sync was called; rebuilds "recent")
 
@@ -45,7 +46,7 @@ FRAME = struct.Struct("<IIII")
 TRAJ_HEAD = struct.Struct("<qqqddIIIIII")
 SYNC = struct.Struct("<qd")
 KIND_TRAJ, KIND_SYNC = 1, 2
-_HAS_REF, _HAS_ADV, _HAS_VER = 1, 2, 4
+_OLD_REF, _HAS_ADV, _HAS_VER = 1, 2, 4
 
 
 @dataclasses.dataclass
@@ -63,7 +64,6 @@ class TrajRecord:
     advantages: np.ndarray | None
     response_tokens: np.ndarray
     logp_behavior: np.ndarray
-    logp_ref: np.ndarray | None
     dropped_duplicates: int = 0
     dropped_over_cap: int = 0
     token_versions: np.ndarray | None = None
@@ -91,8 +91,7 @@ def _frame(kind: int, payload: bytes) -> bytes:
 
 def encode_traj(r: TrajRecord) -> bytes:
     """Frame one trajectory record (see the module docstring for the layout)."""
-    flags = (_HAS_REF if r.logp_ref is not None else 0) | (_HAS_ADV if r.advantages is not None else 0) \
-        | (_HAS_VER if r.token_versions is not None else 0)
+    flags = (_HAS_ADV if r.advantages is not None else 0) | (_HAS_VER if r.token_versions is not None else 0)
     head = TRAJ_HEAD.pack(r.prompt_id, r.policy_version, r.searcher_id, r.timestamp, r.accept_time,
                           r.lengths.size, r.prompt_tokens.size, r.response_tokens.size, flags,
                           r.dropped_duplicates, r.dropped_over_cap)
@@ -100,8 +99,6 @@ def encode_traj(r: TrajRecord) -> bytes:
     if r.advantages is not None:
         parts.append(_le(r.advantages, "<f4"))
     parts += [_le(r.response_tokens, "<i4"), _le(r.logp_behavior, "<f4")]
-    if r.logp_ref is not None:
-        parts.append(_le(r.logp_ref, "<f4"))
     if r.token_versions is not None:
         parts.append(_le(r.token_versions, "<i4"))
     return _frame(KIND_TRAJ, b"".join(parts))
@@ -123,7 +120,7 @@ def decode(kind: int, payload: memoryview) -> Record:
         raise ValueError(f"unknown record kind {kind}")
     pid, ver, sid, ts, acc, n, p, t, flags, dups, over = TRAJ_HEAD.unpack_from(payload)
     sizes = [("<i4", p), ("<i4", n), ("<f4", n), ("<f4", n if flags & _HAS_ADV else 0),
-             ("<i4", t), ("<f4", t), ("<f4", t if flags & _HAS_REF else 0),
+             ("<i4", t), ("<f4", t), ("<f4", t if flags & _OLD_REF else 0),
              ("<i4", t if flags & _HAS_VER else 0)]
     if TRAJ_HEAD.size + 4 * sum(s for _, s in sizes) != len(payload):
         raise ValueError("trajectory record sizes do not add up")
@@ -131,10 +128,9 @@ def decode(kind: int, payload: memoryview) -> Record:
     for dtype, size in sizes:
         arrays.append(np.frombuffer(payload, dtype=dtype, count=size, offset=off))
         off += 4 * size
-    prompt, lens, rew, adv, toks, logp, ref, tver = arrays
+    prompt, lens, rew, adv, toks, logp, _, tver = arrays  # an older segment's ref log-probs: dropped
     return TrajRecord(pid, ver, sid, ts, acc, prompt, lens, rew, adv if flags & _HAS_ADV else None,
-                      toks, logp, ref if flags & _HAS_REF else None, dups, over,
-                      tver if flags & _HAS_VER else None)
+                      toks, logp, dups, over, tver if flags & _HAS_VER else None)
 
 
 @dataclasses.dataclass

@@ -116,14 +116,14 @@ class BufferShard:
             raise ValueError(f"{np.shape(advantages)} advantages for {batch.num_responses} responses")
         rec = TrajRecord(batch.prompt_id, batch.policy_version, batch.searcher_id, batch.timestamp,
                          time.time(), batch.prompt_tokens, batch.lengths, batch.rewards,
-                         advantages, batch.response_tokens, batch.logp_behavior, batch.logp_ref,
+                         advantages, batch.response_tokens, batch.logp_behavior,
                          token_versions=batch.token_versions)
         return self._apply(rec, log=self._log is not None)
 
     def _apply(self, r: TrajRecord, *, log: bool) -> int:
         keep, stored = self.store.add(
             r.prompt_id, r.prompt_tokens, r.response_tokens, r.lengths, r.rewards,
-            r.logp_behavior, r.logp_ref, r.advantages, version=r.policy_version,
+            r.logp_behavior, r.advantages, version=r.policy_version,
             searcher=r.searcher_id, time=r.timestamp, accept=r.accept_time,
             versions=None if r.token_versions is None else np.asarray(r.token_versions, np.int64))
         counters = self.store.counters
@@ -201,7 +201,6 @@ class BufferShard:
             prompt_tokens=[st.prompts[p].tokens for p in pids.tolist()],
             response_tokens=split(st.tok), rewards=s["reward"][rows].copy(),
             logp_behavior=split(st.logp), policy_versions=s["version"][rows].astype(np.int64),
-            logp_ref=split(st.ref) if s["has_ref"][rows].all() else None,
             advantages=None if np.isnan(adv).any() else adv.copy(),
             token_versions=[v.astype(np.int64) for v in split(st.ver)] if st.ver.size else None)
 
@@ -301,5 +300,4 @@ def _subset(r: TrajRecord, keep: np.ndarray, dropped: tuple[int, int]) -> TrajRe
                       r.searcher_id, r.timestamp, r.accept_time,
                       r.prompt_tokens, r.lengths[keep], r.rewards[keep],
                       None if r.advantages is None else r.advantages[keep],
-                      r.response_tokens[idx], r.logp_behavior[idx],
-                      None if r.logp_ref is None else r.logp_ref[idx], dups, over, tv)
+                      r.response_tokens[idx], r.logp_behavior[idx], dups, over, tv)

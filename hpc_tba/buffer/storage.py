@@ -28,7 +28,7 @@ _KEY_BLOCK = 4096
 _SLOT_FIELDS = {  # name -> dtype of the per-response arrays
     "pid": np.int64, "off": np.int64, "len": np.int32, "reward": np.float32, "adv": np.float32,
     "version": np.int64, "searcher": np.int32, "time": np.float64, "accept": np.float64,
-    "hash": np.uint64, "alive": np.bool_, "has_ref": np.bool_,
+    "hash": np.uint64, "alive": np.bool_,
 }
 _position_keys = np.zeros(0, dtype=np.uint64)
 
@@ -76,7 +76,6 @@ class Store:
         self.s = {k: np.zeros(0, dtype=t) for k, t in _SLOT_FIELDS.items()}
         self.tok = np.zeros(0, dtype=np.int32)
         self.logp = np.zeros(0, dtype=np.float32)
-        self.ref = np.zeros(0, dtype=np.float32)
         self.ver = np.zeros(0, dtype=np.int32)  # per-token versions; empty until one is mixed
         self.n_slots = 0  # slots used (live + dead)
         self.n_tok = 0  # pool entries used
@@ -96,7 +95,7 @@ class Store:
 
     # ---------------------------------------------------------------- insertion
     def add(self, pid: int, prompt_tokens: np.ndarray, tokens: np.ndarray, lengths: np.ndarray,
-            rewards: np.ndarray, logp: np.ndarray, ref: np.ndarray | None, adv: np.ndarray | None,
+            rewards: np.ndarray, logp: np.ndarray, adv: np.ndarray | None,
             *, version: int, searcher: int, time: float, accept: float,
             versions: np.ndarray | None = None) -> tuple[np.ndarray, int]:
         """Insert one prompt's responses; returns (indices kept before global eviction, stored).
@@ -129,7 +128,7 @@ class Store:
         if versions is not None and versions.size:  # each response's oldest token
             slot_version = np.minimum.reduceat(versions, starts)[keep]
         new = self._append(pid, tokens, starts[keep], lengths[keep], hashes[keep], rewards[keep],
-                           logp, ref, None if adv is None else adv[keep],
+                           logp, None if adv is None else adv[keep],
                            version=slot_version, searcher=searcher, time=time, accept=accept,
                            versions=versions)
         entry.slots = np.concatenate([entry.slots, new])
@@ -172,12 +171,12 @@ class Store:
             entry.slots = entry.slots[self.s["alive"][entry.slots]]
 
     def _append(self, pid: int, tokens: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
-                hashes: np.ndarray, rewards: np.ndarray, logp: np.ndarray, ref: np.ndarray | None,
+                hashes: np.ndarray, rewards: np.ndarray, logp: np.ndarray,
                 adv: np.ndarray | None, *, version: int | np.ndarray, searcher: int, time: float,
                 accept: float, versions: np.ndarray | None = None) -> np.ndarray:
         """Copy kept responses into the pools; returns their new slot indices."""
         n, total = lengths.size, int(lengths.sum())
-        self._reserve(n, total, has_ref=ref is not None, has_ver=versions is not None)
+        self._reserve(n, total, has_ver=versions is not None)
         src: slice | np.ndarray = slice(None)  # nothing dropped: copy the flat arrays as they are
         if total != tokens.size:
             src = np.repeat(starts - np.cumsum(lengths, dtype=np.int64) + lengths, lengths) \
@@ -185,8 +184,6 @@ class Store:
         t0, t1 = self.n_tok, self.n_tok + total
         self.tok[t0:t1] = tokens[src]
         self.logp[t0:t1] = logp[src]
-        if ref is not None:
-            self.ref[t0:t1] = ref[src]
         if self.ver.size:
             self.ver[t0:t1] = versions[src] if versions is not None else np.repeat(
                 np.broadcast_to(version, lengths.shape), lengths)
@@ -198,14 +195,14 @@ class Store:
         s["adv"][a:b] = np.nan if adv is None else adv
         s["version"][a:b], s["searcher"][a:b] = version, searcher
         s["time"][a:b], s["accept"][a:b] = time, accept
-        s["alive"][a:b], s["has_ref"][a:b] = True, ref is not None
+        s["alive"][a:b] = True
         self.n_slots, self.n_tok, self.alive = b, t1, self.alive + n
         self.mutations += 1
         if self.eviction == "lowest_reward":
             self._track_low(slots)
         return slots
 
-    def _reserve(self, n: int, total: int, *, has_ref: bool, has_ver: bool = False) -> None:
+    def _reserve(self, n: int, total: int, *, has_ver: bool = False) -> None:
         if self.n_slots + n > self.s["pid"].size:
             size = max(self.n_slots + n, _next_size(self.s["pid"].size))
             for k, arr in self.s.items():
@@ -214,12 +211,8 @@ class Store:
             size = max(self.n_tok + total, _next_size(self.tok.size))
             self.tok = _grown(self.tok, size, self.n_tok)
             self.logp = _grown(self.logp, size, self.n_tok)
-            if self.ref.size:
-                self.ref = _grown(self.ref, size, self.n_tok)
             if self.ver.size:
                 self.ver = _grown(self.ver, size, self.n_tok)
-        if has_ref and self.ref.size < self.tok.size:  # first reference log-probs: allocate now
-            self.ref = _grown(self.ref, self.tok.size, 0)
         if has_ver and self.ver.size < self.tok.size:  # first per-token versions: earlier slots'
             self.ver = np.zeros(self.tok.size, dtype=np.int32)  # tokens carry their slot's version
             self.ver[:self.n_tok] = np.repeat(self.s["version"][:self.n_slots], self.s["len"][:self.n_slots])
@@ -321,7 +314,6 @@ class Store:
         # New arrays keep the allocated size: under a global cap the buffer then stops growing.
         keep = np.repeat(self.s["alive"][:n], self.s["len"][:n])
         self.tok, self.logp = _packed(self.tok, keep), _packed(self.logp, keep)
-        self.ref = _packed(self.ref, keep) if self.ref.size else self.ref
         self.ver = _packed(self.ver, keep) if self.ver.size else self.ver
         for k, arr in self.s.items():
             self.s[k] = _packed(arr, live)
@@ -349,7 +341,7 @@ class Store:
     def resident_bytes(self) -> int:
         """Bytes held by the arrays (allocated capacity, not just used) plus prompt entries."""
         arrays = sum(a.nbytes for a in self.s.values()) + self.tok.nbytes + self.logp.nbytes \
-            + self.ref.nbytes + self.ver.nbytes
+            + self.ver.nbytes
         prompts = sum(e.tokens.nbytes + e.slots.nbytes + 200 for e in self.prompts.values())
         return int(arrays + prompts + 100 * len(self.order))
 

@@ -11,8 +11,7 @@ from hpc_tba.messages import TrajectoryBatch
 
 
 def make_batch(prompt_id: int, responses: Sequence[Sequence[int]], rewards: Sequence[float], *,
-               version: int = 0, searcher: int = 0, timestamp: float = 0.0,
-               with_ref: bool = False) -> TrajectoryBatch:
+               version: int = 0, searcher: int = 0, timestamp: float = 0.0) -> TrajectoryBatch:
     """A batch with the given response token lists; log-probs are a function of the tokens."""
     lens = np.array([len(r) for r in responses], dtype=np.int32)
     toks = np.array([t for r in responses for t in r], dtype=np.int32)
@@ -21,18 +20,16 @@ def make_batch(prompt_id: int, responses: Sequence[Sequence[int]], rewards: Sequ
                                                                        dtype=np.int32),
                            response_tokens=toks, lengths=lens,
                            rewards=np.asarray(rewards, dtype=np.float32), logp_behavior=logp,
-                           policy_version=version, searcher_id=searcher, timestamp=timestamp,
-                           logp_ref=logp * 2 if with_ref else None)
+                           policy_version=version, searcher_id=searcher, timestamp=timestamp)
 
 
 def random_batch(rng: np.random.Generator, prompt_id: int, n: int, *, min_len: int = 1,
-                 max_len: int = 8, vocab: int = 50, version: int = 0,
-                 with_ref: bool = False) -> TrajectoryBatch:
+                 max_len: int = 8, vocab: int = 50, version: int = 0) -> TrajectoryBatch:
     """n random responses; a small vocab and short lengths produce exact duplicates."""
     lens = rng.integers(min_len, max_len + 1, n)
     responses = [rng.integers(0, vocab, int(k)).tolist() for k in lens]
     return make_batch(prompt_id, responses, rng.standard_normal(n).round(3).tolist(),
-                      version=version, with_ref=with_ref)
+                      version=version)
 
 
 def contents(shards: Iterable[BufferShard]) -> collections.Counter:

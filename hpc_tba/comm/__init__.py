@@ -1,5 +1,6 @@
-"""The distributed layer: MPI transport of messages, torch.distributed groups, weight sync.
+"""The distributed layer: the message transport (MPI, or in-process threads), torch.distributed
+groups, weight sync.
 
-Everything that talks between processes lives here; roles use these classes and never call MPI
-or torch.distributed directly.
+Everything that talks between ranks lives here; roles use these classes (typed to
+`comm.transport.Transport`) and never call MPI or torch.distributed directly.
 """

@@ -11,7 +11,7 @@ import datetime
 import os
 import socket
 
-from hpc_tba.comm.transport import MPITransport
+from hpc_tba.comm.transport import Transport
 from hpc_tba.comm.weight_sync import GROUP_TIMEOUT_S, new_group
 from hpc_tba.topology import Role, Topology
 
@@ -103,13 +103,13 @@ class Groups:
     """The weight-sync group on learner rank 0 and searchers; None on other learners."""
 
 
-def setup_groups(transport: MPITransport, topo: Topology, *, backend: str,
+def setup_groups(transport: Transport, topo: Topology, *, backend: str,
                  sync_backend: str | None = None) -> Groups:
     """Collective over every rank of the job. `sync_backend` (default: `backend`) lets a check
     on one GPU run the weight-sync group over gloo, since NCCL refuses two ranks on one GPU."""
     backend = resolve_backend(backend)
     sync_backend = backend if sync_backend is None else sync_backend
-    hostnames = transport.comm.allgather(socket.gethostname())
+    hostnames = transport.allgather_json(socket.gethostname())
     rdv = None
     if transport.rank == 0:
         learner_port, sync_port = free_ports(2)

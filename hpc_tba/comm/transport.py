@@ -1,38 +1,97 @@
-"""Message transport between roles: MPI point-to-point, non-blocking, raw numpy buffers.
+"""Message transport between roles: the `Transport` protocol and its MPI implementation.
 
-What crosses MPI (all trusted cluster-internal traffic, no pickle anywhere):
-- TRAJ   searcher -> owning learner: a packed `TrajectoryBatch` (uint8 buffer).
-- EVAL   searcher -> learner 0: float64 [version, correct, total] of a held-out evaluation.
-- STOP   learner 0 -> searcher: int64 [final_version]; the searcher finishes its round and stops.
-- DONE   searcher -> every learner: int64 [messages sent to that learner]; the learner drains
-         until it has received that many, so no accepted trajectory is left in flight.
-- PROBE  searcher -> learner 0: float64 [version, log-probs...] of a fixed probe under the
-         engine right after it applied that version (sync correctness check).
-- setup  one JSON broadcast from rank 0 (addresses, the weight manifest), as bytes.
+What crosses it is a typed message of hpc_tba.messages (trajectories, EVAL, STOP, DONE, PROBE:
+the table is there), packed to raw bytes, never pickled, plus one JSON broadcast / all-gather at
+setup (addresses, the weight manifest). Roles are typed to `Transport`; `MPITransport` runs a job
+of processes, `hpc_tba.comm.inprocess.InProcessTransport` runs every rank as a thread of one
+process (debugging, unit tests) with the same semantics:
 
-Sends are `Isend` with the buffer kept alive until the request completes; receives poll with
+- `send` never blocks; messages between one pair of ranks under one tag arrive in order;
+- `receive` never blocks: it returns what has arrived (up to `max_messages`), as (source, message);
+- `bcast_json`, `allgather_json` and `barrier` are collective: every rank calls them, in the same
+  order;
+- `abort` ends every rank of the job (a lost rank must not leave the others hanging).
+
+MPI sends are `Isend` with the buffer kept alive until the request completes; receives poll with
 `Iprobe` so a learner never blocks on a given searcher.
 """
 from __future__ import annotations
 
-import enum
 import json
-from typing import Any
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
-from hpc_tba.messages import TrajectoryBatch
+from hpc_tba.messages import Message, Tag, TrajectoryBatch
+
+M = TypeVar("M", bound=Message)
 
 
-class Tag(enum.IntEnum):
-    TRAJ = 11
-    EVAL = 12
-    STOP = 13
-    DONE = 14
-    PROBE = 15
+@runtime_checkable
+class Transport(Protocol):
+    """What a role needs from the layer that carries its messages."""
+
+    rank: int
+    """This rank's index in the job (0 = learner rank 0)."""
+    size: int
+    """Ranks in the job."""
+    sent_to: dict[int, int]
+    """Trajectory messages this rank has sent, by destination (a searcher's DONE counts)."""
+
+    def send(self, dest: int, message: Message) -> None:
+        """Send one message to rank `dest` without blocking (it travels under `message.TAG`)."""
+
+    def receive(self, kind: type[M], *, max_messages: int = 1 << 30) -> list[tuple[int, M]]:
+        """Up to `max_messages` messages of type `kind` that have arrived, as (source, message);
+        never blocks."""
+
+    def progress(self) -> int:
+        """Drive sends forward; returns how many of this rank's sends are still in flight."""
+
+    def flush(self) -> None:
+        """Block until every send of this rank has completed."""
+
+    def bcast_json(self, obj: Any, *, root: int = 0) -> Any:
+        """`obj` of rank `root` on every rank (collective; JSON-able values; setup only)."""
+
+    def allgather_json(self, obj: Any) -> list[Any]:
+        """Every rank's `obj`, in rank order, on every rank (collective; setup only)."""
+
+    def barrier(self) -> None:
+        """Wait until every rank has called it (collective)."""
+
+    def abort(self, code: int = 1) -> None:
+        """End every rank of the job."""
 
 
-class MPITransport:
+class MessageEndpoint:
+    """Typed sends and receives over an implementation's raw bytes (`_send_bytes`, `poll`)."""
+
+    rank: int
+    size: int
+
+    def __init__(self) -> None:
+        self.sent_to: dict[int, int] = {}
+
+    def send(self, dest: int, message: Message) -> None:
+        if not 0 <= dest < self.size:
+            raise ValueError(f"rank {self.rank}: destination {dest} is not a rank of this {self.size}-rank job")
+        self._send_bytes(dest, message.TAG, message.pack())
+        if isinstance(message, TrajectoryBatch):
+            self.sent_to[dest] = self.sent_to.get(dest, 0) + 1
+
+    def receive(self, kind: type[M], *, max_messages: int = 1 << 30) -> list[tuple[int, M]]:
+        return [(src, kind.unpack(buf)) for src, buf in self.poll(kind.TAG, max_messages=max_messages)]
+
+    def _send_bytes(self, dest: int, tag: Tag, buf: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def poll(self, tag: Tag, *, max_messages: int = 1 << 30) -> list[tuple[int, np.ndarray]]:
+        """Raw messages of `tag` that have arrived, as (source, uint8 bytes); never blocks."""
+        raise NotImplementedError
+
+
+class MPITransport(MessageEndpoint):
     """Point-to-point messages over MPI.COMM_WORLD (mpi4py, buffers not pickles)."""
 
     PROBE_RETRIES = 16
@@ -41,22 +100,16 @@ class MPITransport:
     def __init__(self) -> None:
         from mpi4py import MPI
 
+        super().__init__()
         self._mpi = MPI
         self.comm = MPI.COMM_WORLD
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
         self._pending: list[tuple[Any, np.ndarray]] = []
-        self.sent_to: dict[int, int] = {}
 
     # -- sending -------------------------------------------------------------------------------
-    def send_trajectory(self, dest: int, batch: TrajectoryBatch) -> None:
-        self._isend(dest, Tag.TRAJ, batch.pack())
-        self.sent_to[dest] = self.sent_to.get(dest, 0) + 1
-
-    def send_array(self, dest: int, tag: Tag, values: np.ndarray) -> None:
-        self._isend(dest, tag, np.ascontiguousarray(values))
-
-    def _isend(self, dest: int, tag: Tag, buf: np.ndarray) -> None:
+    def _send_bytes(self, dest: int, tag: Tag, buf: np.ndarray) -> None:
+        buf = np.ascontiguousarray(buf)
         req = self.comm.Isend([buf, self._mpi.BYTE], dest=dest, tag=int(tag))
         self._pending.append((req, buf))
         self.progress()
@@ -94,10 +147,7 @@ class MPITransport:
             out.append((src, buf))
         return out
 
-    def poll_trajectories(self, *, max_messages: int = 1 << 30) -> list[TrajectoryBatch]:
-        return [TrajectoryBatch.unpack(b) for _, b in self.poll(Tag.TRAJ, max_messages=max_messages)]
-
-    # -- setup ---------------------------------------------------------------------------------
+    # -- collectives ---------------------------------------------------------------------------
     def bcast_json(self, obj: Any, *, root: int = 0) -> Any:
         """Broadcast a JSON-able object from `root` to every rank (collective; setup only)."""
         MPI = self._mpi
@@ -107,6 +157,17 @@ class MPITransport:
         buf = data.copy() if data is not None else np.empty(int(n[0]), dtype=np.uint8)
         self.comm.Bcast([buf, MPI.BYTE], root=root)
         return json.loads(buf.tobytes().decode())
+
+    def allgather_json(self, obj: Any) -> list[Any]:
+        """Every rank's JSON-able `obj`, in rank order (collective; setup only)."""
+        MPI = self._mpi
+        mine = np.frombuffer(json.dumps(obj).encode(), dtype=np.uint8).copy()
+        counts = np.zeros(self.size, dtype=np.int64)
+        self.comm.Allgather([np.array([mine.size], dtype=np.int64), MPI.INT64_T], [counts, MPI.INT64_T])
+        offsets = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        out = np.empty(int(counts.sum()), dtype=np.uint8)
+        self.comm.Allgatherv([mine, MPI.BYTE], [out, (counts.tolist(), offsets.tolist()), MPI.BYTE])
+        return [json.loads(out[o:o + c].tobytes().decode()) for o, c in zip(offsets, counts)]
 
     def barrier(self) -> None:
         self.comm.Barrier()

@@ -27,10 +27,10 @@ import torch
 from hpc_tba import checkpoint
 from hpc_tba.buffer import BufferShard, staleness_lags
 from hpc_tba.comm.metrics import reduce_metrics
-from hpc_tba.comm.transport import MPITransport, Tag
+from hpc_tba.comm.transport import Transport
 from hpc_tba.comm.weight_sync import FLAG_EVAL, Manifest, WeightSender
 from hpc_tba.losses import LossConfig, LossInputs, loss_units
-from hpc_tba.messages import SampledBatch, TrajectoryBatch
+from hpc_tba.messages import Done, EvalReport, ProbeReport, SampledBatch, Stop, TrajectoryBatch
 from hpc_tba.roles import microbatch
 from hpc_tba.roles.config import LearnerConfig
 from hpc_tba.roles.logging import RunLogger, Timers
@@ -84,7 +84,7 @@ def role_device(engine) -> torch.device:
 
 class Learner:
     def __init__(self, *, cfg: LearnerConfig, loss: LossConfig, shard: BufferShard, k: int,
-                 temperature: float, model_path: str, transport: MPITransport, topo: Topology,
+                 temperature: float, model_path: str, transport: Transport, topo: Topology,
                  sync_group, run_dir: str, preemption=None):
         self.cfg, self.loss_cfg, self.shard = cfg, loss, shard
         self.k, self.temperature = k, temperature
@@ -242,8 +242,7 @@ class Learner:
     def receive(self) -> int:
         """Take every trajectory that has arrived into the shard; never blocks."""
         n = 0
-        for src, buf in self.transport.poll(Tag.TRAJ):
-            batch = TrajectoryBatch.unpack(buf)
+        for src, batch in self.transport.receive(TrajectoryBatch):
             self.shard.add(batch)
             if self.cfg.mode == "sync" and batch.policy_version == self.version:
                 self.on_policy.append(batch)
@@ -251,13 +250,13 @@ class Learner:
             self._incoming["rewards"].append(float(batch.rewards.mean()))
             self.samples["received"] += batch.num_responses
             n += 1
-        for src, buf in self.transport.poll(Tag.DONE):
-            self.done[src] = int(buf.view(np.int64)[0])
+        for src, done in self.transport.receive(Done):
+            self.done[src] = done.sent
         if self.is_main:
-            for _, buf in self.transport.poll(Tag.EVAL):
-                self._on_eval(buf.view(np.float64))
-            for src, buf in self.transport.poll(Tag.PROBE):
-                self._on_probe(src, buf.view(np.float64))
+            for _, report in self.transport.receive(EvalReport):
+                self._on_eval(report)
+            for src, probe in self.transport.receive(ProbeReport):
+                self._on_probe(src, probe)
         return n
 
     def wait_on_policy(self) -> SampledBatch:
@@ -405,8 +404,8 @@ class Learner:
                                      chunk_tokens=self.cfg.logprob_chunk_tokens)
         return logp[0, : len(response)].double().cpu().numpy()
 
-    def _on_probe(self, src: int, vals: np.ndarray) -> None:
-        version, engine_logp = int(vals[0]), vals[1:]
+    def _on_probe(self, src: int, probe: ProbeReport) -> None:
+        version, engine_logp = probe.policy_version, probe.logp
         mine = self._probe_logp.get(version)
         if mine is None:
             return
@@ -437,8 +436,8 @@ class Learner:
         self._incoming = {"rewards": [], "received": received, "t": now}
         return out
 
-    def _on_eval(self, vals: np.ndarray) -> None:
-        version, correct, total = int(vals[0]), float(vals[1]), float(vals[2])
+    def _on_eval(self, report: EvalReport) -> None:
+        version, correct, total = report.policy_version, float(report.correct), float(report.total)
         acc = self.evals.setdefault(version, [0.0, 0.0, 0])
         acc[0] += correct
         acc[1] += total
@@ -463,7 +462,7 @@ class Learner:
                 self.receive()
                 time.sleep(POLL_S)
             for r in self.topo.searcher_ranks:
-                self.transport.send_array(r, Tag.STOP, np.array([self.version], dtype=np.int64))
+                self.transport.send(r, Stop(self.version))
         searchers = set(self.topo.searcher_ranks)
         while set(self.done) != searchers or any(self.received.get(r, 0) < self.done[r] for r in searchers):
             self.receive()

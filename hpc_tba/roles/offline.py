@@ -134,8 +134,6 @@ def fill_shard(shard, task, tok, *, needs: Sequence[str], temperature: float) ->
             prompt_id=pid, prompt_tokens=enc[0][0], response_tokens=np.concatenate([r for _, r in enc]),
             lengths=lengths, rewards=np.array([r.reward for r in rows], np.float32),
             logp_behavior=_at_first_token([r.logp_behavior for r in rows], lengths),
-            logp_ref=None if any(r.logp_ref is None for r in rows)
-            else _at_first_token([r.logp_ref for r in rows], lengths),
             policy_version=0, searcher_id=-1, timestamp=0.0)
         adv = None if any(r.advantage is None for r in rows) else np.array(
             [r.advantage for r in rows], np.float32)

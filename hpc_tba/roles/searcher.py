@@ -54,10 +54,10 @@ from collections.abc import Callable
 
 import numpy as np
 
-from hpc_tba.comm.transport import MPITransport, Tag
+from hpc_tba.comm.transport import Transport
 from hpc_tba.comm.weight_sync import StagedWeights, WeightReceiver
 from hpc_tba.engine.base import Engine
-from hpc_tba.messages import TrajectoryBatch
+from hpc_tba.messages import Done, EvalReport, ProbeReport, Stop, TrajectoryBatch
 from hpc_tba.roles.config import SearcherConfig
 from hpc_tba.roles.logging import RunLogger, Timers
 from hpc_tba.tasks import Task
@@ -66,7 +66,7 @@ from hpc_tba.topology import Topology
 
 class Searcher:
     def __init__(self, *, cfg: SearcherConfig, task: Task, engine: Engine,
-                 receiver: WeightReceiver | None, transport: MPITransport, topo: Topology,
+                 receiver: WeightReceiver | None, transport: Transport, topo: Topology,
                  index: int, run_dir: str, engine_factory: Callable[[], Engine] | None = None,
                  max_engine_restarts: int = 5, on_policy_quota: dict[int, int] | None = None):
         self.cfg, self.task, self.engine, self.receiver = cfg, task, engine, receiver
@@ -184,7 +184,7 @@ class Searcher:
                                        "searcher/weight_apply_s": time.time() - t0})
         if self.probe is not None:
             logp = self.engine.score(*self.probe, temperature=1.0)
-            self.transport.send_array(0, Tag.PROBE, np.concatenate([[staged.version], logp]))
+            self.transport.send(0, ProbeReport(staged.version, np.asarray(logp, np.float64)))
         return staged.version
 
     def generate_round(self) -> None:
@@ -257,7 +257,7 @@ class Searcher:
                 policy_version=int(versions.min()) if versions is not None else version,
                 searcher_id=self.index, timestamp=time.time(),
                 token_versions=None if versions is None or (versions == versions[0]).all() else versions)
-            self.transport.send_trajectory(self.topo.shard_of_prompt(batch.prompt_id), batch)
+            self.transport.send(self.topo.shard_of_prompt(batch.prompt_id), batch)
             self.sent += 1
             n_tok += int(batch.lengths.sum())
         return n_tok
@@ -315,10 +315,10 @@ class Searcher:
             correct = int(self.task.correct([self.test[i] for i in fits],
                                             [self.engine.decode(o) for o in outs]).sum())
         self.evaluated[version] = correct / max(len(self.test), 1)
-        self.transport.send_array(0, Tag.EVAL, np.array([version, correct, len(self.test)], np.float64))
+        self.transport.send(0, EvalReport(version, correct, len(self.test)))
 
     def stop_requested(self) -> bool:
-        return bool(self.transport.poll(Tag.STOP))
+        return bool(self.transport.receive(Stop))
 
     def finish(self) -> None:
         times = self.timers.metrics()
@@ -328,7 +328,7 @@ class Searcher:
                              "time": times})
         self.transport.flush()
         for r in self.topo.learner_ranks:
-            self.transport.send_array(r, Tag.DONE, np.array([self.transport.sent_to.get(r, 0)], np.int64))
+            self.transport.send(r, Done(self.transport.sent_to.get(r, 0)))
         self.transport.flush()
         if self.receiver is not None:
             self.receiver.join()
