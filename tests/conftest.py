@@ -9,6 +9,10 @@ os.environ.setdefault("HPC_TBA_NO_PROGRESS", "1")
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# What tests use but the installed package does not ship: the simulator, the local-Slurm harness and
+# the experiment runner under tools/ (imported as `simulator`, `local_slurm`, `experiments`); test
+# helpers such as buffer_helpers.py sit beside the tests (pytest puts tests/ on sys.path).
+sys.path.insert(0, os.path.join(REPO, "tools"))
 HPC_TBA = os.path.join(os.path.dirname(sys.executable), "hpc-tba")
 
 
