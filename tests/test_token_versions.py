@@ -72,7 +72,7 @@ def test_shard_stores_token_versions_and_reports_token_staleness(tmp_path):
     # the segment log replays the same per-token versions, and so does a compacted log
     again = BufferShard(cfg, directory=str(tmp_path))
     assert _rows(again.sample(1, 4, learner_version=4)) == want
-    frames = list(live_frames(again))
+    frames = list(live_frames(again.store))
     assert frames and again.store.ver.size
     again.close()
 
