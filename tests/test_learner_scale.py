@@ -104,7 +104,7 @@ def test_every_nccl_group_gets_the_gloo_timeout(monkeypatch):
     """setup_groups on a learner that is also the sync root, NCCL faked: both groups 1,800 s."""
     import deepspeed
 
-    from hpc_tba.comm import weight_sync
+    from hpc_tba.comm.weight_sync import group as sync_group
 
     seen = {}
 
@@ -119,7 +119,7 @@ def test_every_nccl_group_gets_the_gloo_timeout(monkeypatch):
 
     monkeypatch.setattr(dist, "ProcessGroupNCCL", FakeNCCL, raising=False)
     monkeypatch.setattr(dist, "TCPStore", lambda *a, **kw: object())
-    monkeypatch.setattr(weight_sync, "_STORES", [])
+    monkeypatch.setattr(sync_group, "_STORES", [])
     monkeypatch.setattr(torch.cuda, "set_device", lambda i: seen.setdefault("device", i))
     monkeypatch.setattr(deepspeed, "init_distributed", lambda **kw: seen.update(init=kw))
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")

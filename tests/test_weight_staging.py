@@ -1,4 +1,4 @@
-"""Bounded weight staging on the searcher side (comm/weight_sync.py `WeightReceiver`).
+"""Bounded weight staging on the searcher side (comm/weight_sync/receiver.py `WeightReceiver`).
 
 A 2-process gloo run (a sender speaking the sync protocol, one receiver) for every staging mode at
 two bucket sizes: the bytes the receiver allocated at its peak are measured and checked against
