@@ -23,7 +23,6 @@ engine's processes, so this module imports only torch and `comm/weight_sync/` (n
 from __future__ import annotations
 
 import datetime
-import math
 import pickle
 import threading
 from collections.abc import Callable, Iterator
@@ -203,12 +202,8 @@ class WeightHopExtension:
 
         def tensors() -> Iterator[tuple[str, torch.Tensor]]:
             for b, flat in buckets:
-                off = 0
-                for i in m.buckets[b]:
-                    n = math.prod(m.shapes[i])
-                    yield m.names[i], flat[off: off + n].view(m.shapes[i])
-                    off += n
-                loaded[0] += off
+                yield from m.bucket_views(b, flat)
+                loaded[0] += m.bucket_numel(b)
 
         self.reload_weights(weights_iterator=tensors())
         from hpc_tba.models.naming import refresh_tied_heads

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Iterator
 
 import torch
 
@@ -81,6 +82,20 @@ class Manifest:
 
     def bucket_numel(self, b: int) -> int:
         return sum(math.prod(self.shapes[i]) for i in self.buckets[b])
+
+    @property
+    def largest_bucket_numel(self) -> int:
+        """Elements of the largest bucket: what one staging slot or bucket buffer must hold."""
+        return max(self.bucket_numel(b) for b in range(len(self.buckets)))
+
+    def bucket_views(self, b: int, flat: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, view into `flat`) of every parameter of bucket b, in order; `flat` holds the
+        bucket as it travels (its parameters back to back)."""
+        off = 0
+        for i in self.buckets[b]:
+            n = math.prod(self.shapes[i])
+            yield self.names[i], flat[off: off + n].view(self.shapes[i])
+            off += n
 
     @functools.cached_property
     def bucket_starts(self) -> tuple[int, ...]:

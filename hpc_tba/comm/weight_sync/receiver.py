@@ -44,7 +44,7 @@ def staging_bytes(manifest: Manifest, staging: str) -> int:
     """The searcher's sync memory (bytes the receiver allocates) for a manifest: device and host
     staging hold one whole version plus one bucket; stream holds two buckets."""
     itemsize = torch.empty((), dtype=manifest.dtype).element_size()
-    bucket = max(manifest.bucket_numel(b) for b in range(len(manifest.buckets))) * itemsize
+    bucket = manifest.largest_bucket_numel * itemsize
     if staging == "stream":
         return 2 * bucket
     if staging in ("device", "host"):
@@ -157,10 +157,6 @@ class WeightReceiver:
             self._stream_live -= stream
             self._cond.notify_all()
 
-    def _largest_bucket(self) -> int:
-        m = self.manifest
-        return max(m.bucket_numel(b) for b in range(len(m.buckets)))
-
     def _stage(self, version: int, flags: int) -> None:
         """Device/host staging: each bucket lands in the bucket buffer, then is copied into the
         version buffer (never while the main thread reads it)."""
@@ -169,7 +165,7 @@ class WeightReceiver:
             host = self.staging == "host"
             where = "cpu" if host else self.device
             self._version_buf = self._alloc(m.numel, where, pin=host and torch.cuda.is_available())
-            self._bucket = self._alloc(self._largest_bucket(), self.device)
+            self._bucket = self._alloc(m.largest_bucket_numel, self.device)
         flat = self._version_buf
         for b in range(len(m.buckets)):
             part = self._bucket[: m.bucket_numel(b)]
@@ -231,7 +227,7 @@ class WeightReceiver:
                 del item
                 if got != b:
                     raise RuntimeError(f"weight stream: bucket {got} arrived where {b} was due")
-                yield from _bucket_views(m, b, buf)
+                yield from m.bucket_views(b, buf)
                 del buf
         finally:
             self._consumed.set()
@@ -317,10 +313,3 @@ def _views(m: Manifest, flat: torch.Tensor, first: int) -> list[tuple[str, torch
         off += n
     return out
 
-
-def _bucket_views(m: Manifest, b: int, buf: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
-    off = 0
-    for i in m.buckets[b]:
-        n = math.prod(m.shapes[i])
-        yield m.names[i], buf[off: off + n].view(m.shapes[i])
-        off += n

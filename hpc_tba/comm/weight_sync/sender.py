@@ -103,7 +103,7 @@ class WeightSender:
             work.wait()
         if not self._slots:
             m = self.manifest
-            largest = max(m.bucket_numel(b) for b in range(len(m.buckets)))
+            largest = m.largest_bucket_numel
             if self.direct:  # room for the zero padding of a bucket's last parameter
                 largest += max(_gathered_numel(p) - p.ds_numel for p in self.params)
             self._slots = [torch.empty(largest, dtype=m.dtype, device=self.device) for _ in range(2)]
