@@ -1,6 +1,11 @@
-"""Shared test setup: CPU-only, one thread per process, DeepSpeed on its CPU accelerator."""
+"""Shared test setup: CPU-only, one thread per process, DeepSpeed on its CPU accelerator; and the
+helpers of the tests that spawn ranks (start them, set up their process group)."""
+import contextlib
 import os
+import queue
 import sys
+import time
+import traceback
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -9,6 +14,10 @@ os.environ.setdefault("HPC_TBA_NO_PROGRESS", "1")
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# What tests use but the installed package does not ship: the simulator, the local-Slurm harness and
+# the experiment runner under tools/ (imported as `simulator`, `local_slurm`, `experiments`); test
+# helpers such as buffer_helpers.py sit beside the tests (pytest puts tests/ on sys.path).
+sys.path.insert(0, os.path.join(REPO, "tools"))
 HPC_TBA = os.path.join(os.path.dirname(sys.executable), "hpc-tba")
 
 
@@ -21,6 +30,62 @@ def gloo_deepspeed(rank: int, world: int, port: int) -> None:
 
     deepspeed.init_distributed("gloo", auto_mpi_discovery=False, rank=rank, world_size=world,
                                init_method=f"tcp://127.0.0.1:{port}", verbose=False)
+
+
+@contextlib.contextmanager
+def gloo_group(rank: int, world: int, port: int):
+    """In a spawned test worker: torch.distributed's default group, gloo on localhost, for the
+    block; the ranks leave it together (a gloo peer torn down while another still closes aborts it)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        yield
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn_ranks(fn, nprocs: int, args: tuple = (), *, timeout_s: float) -> list:
+    """Run fn(rank, *args) in `nprocs` fresh (spawned) processes; returns each rank's return value
+    (picklable, no tensors: their shared memory dies with the process). A rank that raises, dies or
+    is still running after `timeout_s` fails the test, and no rank outlives the call."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_rank_entry, args=(fn, rank, args, results)) for rank in range(nprocs)]
+    for p in procs:
+        p.start()
+    deadline, out = time.monotonic() + timeout_s, {}
+    try:
+        while len(out) < nprocs:  # read before joining: a rank exits only once its result is read
+            try:
+                rank, value, error = results.get(timeout=1)
+            except queue.Empty:
+                died = {r: p.exitcode for r, p in enumerate(procs) if r not in out and p.exitcode}
+                assert not died, f"{fn.__name__}: rank(s) died without a result, exit codes {died}"
+                assert time.monotonic() < deadline, f"{fn.__name__} processes hung for {timeout_s:.0f}s"
+                continue
+            assert error is None, f"{fn.__name__} rank {rank} raised:\n{error}"
+            out[rank] = value
+        for rank, p in enumerate(procs):
+            p.join(max(1.0, deadline - time.monotonic()))
+            assert p.exitcode == 0, f"{fn.__name__} rank {rank} exited with {p.exitcode}"
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+    return [out[rank] for rank in range(nprocs)]
+
+
+def _rank_entry(fn, rank: int, args: tuple, results) -> None:
+    try:
+        value = fn(rank, *args)
+    except BaseException:
+        results.put((rank, None, traceback.format_exc()))
+        raise
+    results.put((rank, value, None))
 
 
 import pytest  # noqa: E402

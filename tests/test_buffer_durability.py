@@ -11,11 +11,11 @@ import textwrap
 
 import numpy as np
 import pytest
+from buffer_helpers import contents, make_batch, per_prompt, random_batch
 
 from hpc_tba.buffer import BufferConfig, BufferShard
 from hpc_tba.buffer.log import read_manifest, shard_dir
 from hpc_tba.buffer.segments import FILE_HEAD, encode_traj, read_segment
-from hpc_tba.buffer.testing import contents, make_batch, per_prompt, random_batch
 
 
 def _cfg(**kw) -> BufferConfig:

@@ -9,12 +9,12 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
+from buffer_helpers import make_batch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hpc_tba.buffer import BufferConfig, BufferShard
 from hpc_tba.buffer.samplers import choose_rows
-from hpc_tba.buffer.testing import make_batch
 
 DRAWS = 3000
 

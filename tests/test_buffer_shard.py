@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from buffer_helpers import make_batch, per_prompt, random_batch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -12,7 +13,6 @@ from hpc_tba.buffer import (
     staleness_histogram,
     staleness_lags,
 )
-from hpc_tba.buffer.testing import make_batch, per_prompt, random_batch
 
 
 def _cfg(**kw) -> BufferConfig:

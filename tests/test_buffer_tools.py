@@ -9,12 +9,11 @@ import sys
 
 import numpy as np
 import pytest
+from buffer_helpers import contents, random_batch
 
 from hpc_tba.buffer import BufferConfig, BufferShard
-from hpc_tba.buffer.testing import contents, random_batch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 
 def _digest(root: str) -> dict[str, str]:
@@ -77,7 +76,8 @@ def test_config_validation_names_the_field(bad, words):
 
 
 def test_buffer_imports_without_engines():
-    code = ("import sys, hpc_tba.buffer, hpc_tba.buffer.testing; "
+    code = (f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); "
+            "import hpc_tba.buffer, buffer_helpers; "
             "print(sorted(m for m in ('deepspeed', 'vllm', 'mpi4py', 'torch') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -16,14 +16,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from experiments import offline, report, runner
+from experiments.runner import Arm, Column, Experiment, Plot, Prepared
+
+from hpc_tba.tasks.offline import effective_positive_fraction
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tools"))
-
-from experiments import offline, report, runner  # noqa: E402
-from experiments.runner import Arm, Column, Experiment, Plot, Prepared  # noqa: E402
-
-from hpc_tba.tasks.offline import effective_positive_fraction  # noqa: E402
 
 # --------------------------------------------------------------------------- a fake hpc-tba
 

@@ -25,11 +25,11 @@ import importlib.util
 import json
 import math
 import os
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import spawn_ranks
 
 from hpc_tba.comm.groups import free_ports
 from hpc_tba.comm.weight_sync import FLAG_EVAL, Manifest
@@ -46,21 +46,6 @@ pytestmark = [
 
 SHAPES = [("embed.weight", (64, 16)), ("layers.0.attn.weight", (16, 16)), ("layers.0.norm", (16,)),
           ("layers.1.attn.weight", (16, 16)), ("layers.1.norm", (7,)), ("head.weight", (64, 16))]
-
-
-def _spawn(fn, nprocs: int, args: tuple, *, timeout_s: float) -> None:
-    """Run fn(rank, *args) in `nprocs` fresh processes; a child's exception fails the test."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.spawn(fn, args=args, nprocs=nprocs, join=False)
-    deadline = time.time() + timeout_s
-    try:
-        while not ctx.join(timeout=1):
-            assert time.time() < deadline, f"{fn.__name__} processes hung for {timeout_s:.0f}s"
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
 
 
 def _device(index: int) -> torch.device:
@@ -182,7 +167,7 @@ def test_weight_sync_with_device_tensors(tmp_path, backend):
     if backend == "nccl" and (ON_CPU or torch.cuda.device_count() < 2):
         pytest.skip("NCCL weight sync needs 2 GPUs (NCCL refuses two ranks on one GPU); "
                     "the gloo case covers CUDA tensors on one")
-    _spawn(_sync_worker, 2, (free_ports(3), str(tmp_path), backend), timeout_s=150)
+    spawn_ranks(_sync_worker, 2, (free_ports(3), str(tmp_path), backend), timeout_s=150)
     assert sorted(os.listdir(tmp_path)) == ["ok0", "ok1"]
 
 
@@ -335,7 +320,7 @@ def _engine_worker(rank: int, ports: list[int], tmp: str, path: str) -> None:
 
 
 def test_zero3_bf16_engine_trains_syncs_and_resumes(tmp_path, tiny_model):
-    _spawn(_engine_worker, 2, (free_ports(3), str(tmp_path), tiny_model), timeout_s=240)
+    spawn_ranks(_engine_worker, 2, (free_ports(3), str(tmp_path), tiny_model), timeout_s=240)
     report = json.loads((tmp_path / "report.json").read_text())
     print(json.dumps(report))
     assert 0 < sum(report["rewards"]) < len(report["rewards"]), "the batch needs right and wrong answers"

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from conftest import gloo_group, spawn_ranks
 
 from hpc_tba.comm import groups
 from hpc_tba.comm.groups import free_ports
@@ -21,12 +21,10 @@ from hpc_tba.topology import Topology
 
 
 # ---------------------------------------------------------------- reduce_metrics on 2 ranks
-def _metrics_main(rank: int, port: int, q) -> None:
+def _metrics_main(rank: int, port: int) -> dict:
     from hpc_tba.comm.metrics import reduce_metrics
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
+    with gloo_group(rank, 2, port):
         # rank 0 got no fresh samples this step: its incoming reward is NaN, not absent
         m = {"reward/incoming_mean": math.nan if rank == 0 else 0.75, "loss/total": 1.0 + rank,
              "sync/gap": math.nan, "x": 2.0 * rank}
@@ -37,22 +35,11 @@ def _metrics_main(rank: int, port: int, q) -> None:
             out["mismatch"] = "no error"
         except RuntimeError as e:
             out["mismatch"] = str(e)
-        if rank == 0:
-            q.put(out)
-    finally:
-        dist.destroy_process_group()
+    return out
 
 
 def test_reduce_metrics_nan_aware_fixed_keys_two_ranks():
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_metrics_main, args=(r, PORT, q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    out = q.get(timeout=120)
-    for p in procs:
-        p.join(30)
-        assert p.exitcode == 0
+    out = spawn_ranks(_metrics_main, 2, (PORT,), timeout_s=150)[0]
     assert out["mean"] == {"reward/incoming_mean": 0.75, "loss/total": 3.0, "x": 1.0}  # sync/gap: NaN everywhere
     assert out["max"]["x"] == 2.0 and out["min"]["x"] == 0.0 and out["min"]["reward/incoming_mean"] == 0.75
     assert "different metric keys" in out["mismatch"]
@@ -104,7 +91,7 @@ def test_every_nccl_group_gets_the_gloo_timeout(monkeypatch):
     """setup_groups on a learner that is also the sync root, NCCL faked: both groups 1,800 s."""
     import deepspeed
 
-    from hpc_tba.comm import weight_sync
+    from hpc_tba.comm.weight_sync import group as sync_group
 
     seen = {}
 
@@ -119,7 +106,7 @@ def test_every_nccl_group_gets_the_gloo_timeout(monkeypatch):
 
     monkeypatch.setattr(dist, "ProcessGroupNCCL", FakeNCCL, raising=False)
     monkeypatch.setattr(dist, "TCPStore", lambda *a, **kw: object())
-    monkeypatch.setattr(weight_sync, "_STORES", [])
+    monkeypatch.setattr(sync_group, "_STORES", [])
     monkeypatch.setattr(torch.cuda, "set_device", lambda i: seen.setdefault("device", i))
     monkeypatch.setattr(deepspeed, "init_distributed", lambda **kw: seen.update(init=kw))
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")

@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from conftest import gloo_group, spawn_ranks
 
 from hpc_tba.comm.groups import free_ports
 from hpc_tba.losses import (
@@ -92,8 +92,7 @@ def _grads(case: str, rows: torch.Tensor | None, all_reduce=None, *, naive: bool
 def _worker(rank: int, world: int, port: int, path: str) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
+    with gloo_group(rank, world, port):
         def all_reduce(t: torch.Tensor) -> torch.Tensor:
             t = t.clone()
             dist.all_reduce(t, op=dist.ReduceOp.SUM)
@@ -104,15 +103,13 @@ def _worker(rank: int, world: int, port: int, path: str) -> None:
         results = {case: _grads(case, rows, all_reduce) for case in CASES}
         results["naive_tb"] = _grads("tb", rows, all_reduce, naive=True)
         if rank == 0:
-            torch.save(results, path)
-    finally:
-        dist.destroy_process_group()
+            torch.save(results, path)  # tensors: a file, not spawn_ranks' return value
 
 
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("dist") / "grads.pt")
-    mp.spawn(_worker, args=(2, free_ports(1)[0], path), nprocs=2, join=True)
+    spawn_ranks(_worker, 2, (2, free_ports(1)[0], path), timeout_s=120)
     return torch.load(path)
 
 

@@ -6,13 +6,11 @@ computes) give a different gradient, so the comparison can fail.
 """
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from conftest import gloo_group, spawn_ranks
 
 from hpc_tba.comm.groups import free_ports
 from hpc_tba.losses import LossConfig, LossInputs, compute_loss, loss_units
@@ -183,10 +181,8 @@ def test_agreed_plans_run_the_same_forwards_on_every_rank():
     assert [microbatch.needs_context(tb, p) for p in same] == [False, False]
 
 
-def _rank_main(rank: int, port: int, q) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
+def _rank_main(rank: int, port: int) -> dict | None:
+    with gloo_group(rank, 2, port):
         gid = _data()["gid"]
         rows = [i for i in ALL if gid[i] in SHARDS[rank]]
 
@@ -204,24 +200,11 @@ def _rank_main(rank: int, port: int, q) -> None:
             for micro in (2, 5):
                 out[(case, micro)] = _grads(case, rows, micro=micro, reduce_max=reduce_max,
                                             all_reduce=all_reduce).numpy()  # no shared-memory fds
-        if rank == 0:
-            q.put(out)
-        dist.barrier()  # leave together: a gloo peer torn down while the other still closes aborts it
-    finally:
-        dist.destroy_process_group()
+    return out if rank == 0 else None
 
 
 def test_two_ranks_accumulated_gradient_equals_one_process():
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = free_ports(1)[0]
-    procs = [ctx.Process(target=_rank_main, args=(r, port, q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    got = q.get(timeout=300)
-    for p in procs:
-        p.join(60)
-        assert p.exitcode == 0
+    got = spawn_ranks(_rank_main, 2, (free_ports(1)[0],), timeout_s=360)[0]
     for (case, micro), g in got.items():
         torch.testing.assert_close(torch.from_numpy(g), _grads(case, ALL, micro=None), rtol=1e-9, atol=1e-9,
                                    msg=lambda m, c=case, mb=micro: f"{c} micro={mb}: {m}")

@@ -12,10 +12,10 @@ import textwrap
 import time
 from pathlib import Path
 
+import local_slurm
 import pytest
 
 from hpc_tba.config import compose
-from hpc_tba.launcher import local_slurm
 from hpc_tba.launcher.slurm import sbatch_script
 
 pytestmark = [pytest.mark.slurm, pytest.mark.mpi]

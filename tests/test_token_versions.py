@@ -6,10 +6,10 @@ import struct
 
 import numpy as np
 import pytest
+from buffer_helpers import make_batch
 
 from hpc_tba.buffer import BufferConfig, BufferShard
 from hpc_tba.buffer.log import live_frames
-from hpc_tba.buffer.testing import make_batch
 from hpc_tba.messages import SampledBatch, TrajectoryBatch
 
 
@@ -72,7 +72,7 @@ def test_shard_stores_token_versions_and_reports_token_staleness(tmp_path):
     # the segment log replays the same per-token versions, and so does a compacted log
     again = BufferShard(cfg, directory=str(tmp_path))
     assert _rows(again.sample(1, 4, learner_version=4)) == want
-    frames = list(live_frames(again))
+    frames = list(live_frames(again.store))
     assert frames and again.store.ver.size
     again.close()
 

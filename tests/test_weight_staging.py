@@ -1,4 +1,4 @@
-"""Bounded weight staging on the searcher side (comm/weight_sync.py `WeightReceiver`).
+"""Bounded weight staging on the searcher side (comm/weight_sync/receiver.py `WeightReceiver`).
 
 A 2-process gloo run (a sender speaking the sync protocol, one receiver) for every staging mode at
 two bucket sizes: the bytes the receiver allocated at its peak are measured and checked against
@@ -6,10 +6,10 @@ the stated formula (device/host: one whole version + one bucket; stream: two buc
 version arrives intact. Plus `resolve_staging` (auto) and the formula itself.
 """
 import os
-import time
 
 import pytest
 import torch
+from conftest import spawn_ranks
 
 from hpc_tba.comm.groups import free_ports
 from hpc_tba.comm.weight_sync import (
@@ -115,19 +115,8 @@ def _worker(rank: int, ports: list[int], out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def peaks(tmp_path_factory) -> dict[tuple[str, int], int]:
-    import torch.multiprocessing as mp
-
     out = tmp_path_factory.mktemp("staging")
-    ctx = mp.spawn(_worker, args=(free_ports(2 * len(MODES) * len(BUCKETS)), str(out)), nprocs=2,
-                   join=False)
-    deadline = time.time() + 120
-    try:
-        while not ctx.join(timeout=1):
-            assert time.time() < deadline, "weight-staging processes hung"
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
+    spawn_ranks(_worker, 2, (free_ports(2 * len(MODES) * len(BUCKETS)), str(out)), timeout_s=120)
     got = {}
     for name in os.listdir(out):
         mode, bucket = name.split("-")

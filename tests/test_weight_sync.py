@@ -6,10 +6,10 @@ through the real ZeRO-3 shards (direct gather) or GatheredParameters; the sync g
 """
 import json
 import os
-import time
 
 import pytest
 import torch
+from conftest import spawn_ranks
 
 from hpc_tba.comm.groups import free_ports
 from hpc_tba.comm.weight_sync import FLAG_EVAL, Manifest, wire_dtype_name
@@ -153,15 +153,5 @@ def _worker(rank: int, ports: list[int], result_dir: str) -> None:
 
 
 def test_three_process_gloo_sync(tmp_path):
-    import torch.multiprocessing as mp
-
-    ctx = mp.spawn(_worker, args=(free_ports(3), str(tmp_path)), nprocs=3, join=False)
-    deadline = time.time() + 90
-    try:
-        while not ctx.join(timeout=1):
-            assert time.time() < deadline, "weight-sync processes hung"
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
+    spawn_ranks(_worker, 3, (free_ports(3), str(tmp_path)), timeout_s=90)
     assert sorted(os.listdir(tmp_path)) == ["ok0", "ok1", "ok2"]

@@ -22,8 +22,8 @@ mean ± std. Time to target = steps to target × seconds per step: the breakdown
 asynchrony changed.
 
 The measured per-role costs of each mode (seconds per learner step, samples per second per
-searcher, sync and apply seconds) also feed the scheduling simulator (hpc_tba.sim.calibrate); its
-predicted sync ÷ async time per step is compared with the measured one and the error is stated.
+searcher, sync and apply seconds) also feed the scheduling simulator (tools/simulator/calibration.py);
+its predicted sync ÷ async time per step is compared with the measured one and the error is stated.
 Writes <out>/bench_async.json and <out>/bench_async.png.
 """
 from __future__ import annotations
@@ -127,7 +127,8 @@ def calibrate(results: dict, cfg: dict, measured_ratio: float,
               target_ratio: float | None = None) -> dict:
     """Feed the measured per-role costs of each mode to the simulator; compare s/step ratios,
     and (given `target_ratio`) time-to-target ratios with each mode's measured steps to target."""
-    from hpc_tba import sim
+    from simulator import calibration
+    from simulator.config import ASSUMPTIONS
 
     def costs(mode: str) -> dict:
         runs = results[mode]
@@ -145,22 +146,22 @@ def calibrate(results: dict, cfg: dict, measured_ratio: float,
     base["warm_start_samples"] = cfg["warm_start"]
     measured = {**base, **costs("async"), "sync_mode": {**costs("sync"), "sync_every": 1},
                 "async_mode": costs("async"), "measured_speedup": measured_ratio}
-    out = sim.calibrate(measured)
+    out = calibration.calibrate(measured)
     # The prediction from a sync run alone (its costs for both modes), as a user without an async
     # run would make it; the difference to the above is how the roles' costs change when they
     # run concurrently on shared cores (contention, or warmer caches), which is not modelled.
     from_sync = {**measured, "async_mode": {**costs("sync"), "sync_s": measured["sync_s"]}}
-    out["predicted_speedup_from_sync_costs"] = sim.calibrate(from_sync)["predicted_speedup"]
+    out["predicted_speedup_from_sync_costs"] = calibration.calibrate(from_sync)["predicted_speedup"]
     steps = {m: [r["steps_to_target"] for r in results[m] if r["steps_to_target"]] for m in results}
     if target_ratio is not None and all(steps.values()):
         # The simulator knows nothing of accuracy: give it the updates each mode needed.
         to_target = {**measured, "measured_speedup": target_ratio,
                      "sync_mode": {**measured["sync_mode"], "steps": round(statistics.fmean(steps["sync"]))},
                      "async_mode": {**measured["async_mode"], "steps": round(statistics.fmean(steps["async"]))}}
-        t = sim.calibrate(to_target)
+        t = calibration.calibrate(to_target)
         out["time_to_target"] = {k: t[k] for k in ("predicted_speedup", "measured_speedup", "relative_error")}
     out["inputs"] = measured
-    out["assumptions"] = list(sim.ASSUMPTIONS)
+    out["assumptions"] = list(ASSUMPTIONS)
     return out
 
 

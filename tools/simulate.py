@@ -8,27 +8,27 @@
 
 Every SimConfig field is a flag (--gen-tokens-per-s ...; `run --help` lists them with their
 docstrings). Precedence: preset < --from-json < flags. The model and its assumptions are in
-hpc_tba/sim.py and docs/SIMULATION.md; the assumptions are printed beside every result.
+tools/simulator/ and docs/SIMULATION.md; the assumptions are printed beside every result.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
-import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from hpc_tba import sim  # noqa: E402
+from simulator.calibration import CALIBRATION_KEYS, calibrate
+from simulator.config import ASSUMPTIONS, STATES, SimConfig, field_docs, from_json
+from simulator.presets import PRESETS, preset
+from simulator.schedules import compare, costs, sweep_searchers
 
 SWEEP = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
 
 def add_config_flags(p: argparse.ArgumentParser) -> None:
-    docs = sim.field_docs()
-    for f in dataclasses.fields(sim.SimConfig):
+    docs = field_docs()
+    for f in dataclasses.fields(SimConfig):
         flag = "--" + f.name.replace("_", "-")
         if f.type in ("bool", bool):
             p.add_argument(flag, dest=f.name, type=lambda s: s.lower() in ("1", "true", "yes"),
@@ -38,17 +38,17 @@ def add_config_flags(p: argparse.ArgumentParser) -> None:
         p.add_argument(flag, dest=f.name, type=kind, default=None, help=docs.get(f.name, ""))
 
 
-def build_config(args: argparse.Namespace) -> sim.SimConfig:
-    cfg = sim.preset(args.preset) if args.preset else sim.SimConfig()
+def build_config(args: argparse.Namespace) -> SimConfig:
+    cfg = preset(args.preset) if args.preset else SimConfig()
     if args.from_json:
-        cfg = sim.from_json(args.from_json, cfg)
-    flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(sim.SimConfig)
+        cfg = from_json(args.from_json, cfg)
+    flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(SimConfig)
              if getattr(args, f.name, None) is not None}
     return cfg.replace(**flags)
 
 
-def report_lines(cfg: sim.SimConfig, result: dict, sweep: list[dict] | None) -> list[str]:
-    lines = ["costs (s): " + ", ".join(f"{k}={v:.4g}" for k, v in sim.costs(cfg).items()), ""]
+def report_lines(cfg: SimConfig, result: dict, sweep: list[dict] | None) -> list[str]:
+    lines = ["costs (s): " + ", ".join(f"{k}={v:.4g}" for k, v in costs(cfg).items()), ""]
     lines.append(f"{'':22}{'sync':>12}{'async':>12}")
     s, a = result["sync"], result["async"]
     rows = [("time to N updates (s)", s.wall_s, a.wall_s), ("s per update", s.wall_s / s.steps,
@@ -57,10 +57,10 @@ def report_lines(cfg: sim.SimConfig, result: dict, sweep: list[dict] | None) -> 
             ("trained samples/s", s.trained_samples_per_s, a.trained_samples_per_s)]
     lines += [f"{name:22}{x:12.4g}{y:12.4g}" for name, x, y in rows]
     lines.append(f"speed-up (sync / async time): {result['speedup']:.3f}x")
-    lines += ["", "utilisation (fraction of wall time): " + " / ".join(sim.STATES)]
+    lines += ["", "utilisation (fraction of wall time): " + " / ".join(STATES)]
     for r in (s, a):
         for role, fr in r.utilisation.items():
-            lines.append(f"  {r.mode:5} {role:8} " + "  ".join(f"{fr[x]:.3f}" for x in sim.STATES))
+            lines.append(f"  {r.mode:5} {role:8} " + "  ".join(f"{fr[x]:.3f}" for x in STATES))
     st = a.staleness_stats()
     lines.append(f"async staleness (learner version - sample version): mean {st['mean']:.2f}, "
                  f"p50 {st['p50']:.0f}, p90 {st['p90']:.0f}, max {st['max']}")
@@ -72,7 +72,7 @@ def report_lines(cfg: sim.SimConfig, result: dict, sweep: list[dict] | None) -> 
             f"{r['num_searchers']}: {r['speedup']:.2f}x" for r in sweep),
                   "  with replay ratio 1: " + ", ".join(
             f"{r['num_searchers']}: {r['speedup_replay1']:.2f}x" for r in sweep)]
-    lines += ["", "assumptions:"] + [f"  - {x}" for x in sim.ASSUMPTIONS]
+    lines += ["", "assumptions:"] + [f"  - {x}" for x in ASSUMPTIONS]
     return lines
 
 
@@ -89,7 +89,7 @@ def plot(result: dict, sweep: list[dict], out: Path, prefix: str, title: str,
     fig, ax = plt.subplots(figsize=(5, 2.6))
     labels = [f"{m} {role}" for m in ("sync", "async") for role in result[m].utilisation]
     left = [0.0] * len(labels)
-    for state in sim.STATES:
+    for state in STATES:
         vals = [result[m].utilisation[role][state] for m in ("sync", "async")
                 for role in result[m].utilisation]
         ax.barh(labels, vals, left=left, color=colors[state], label=state)
@@ -138,14 +138,14 @@ def _save(fig, path: Path) -> Path:
 
 def cmd_run(args: argparse.Namespace) -> int:
     cfg = build_config(args)
-    result = sim.compare(cfg)
-    sweep = sim.sweep_searchers(cfg, sorted({*SWEEP[:args.sweep_points], cfg.num_searchers})) \
+    result = compare(cfg)
+    sweep = sweep_searchers(cfg, sorted({*SWEEP[:args.sweep_points], cfg.num_searchers})) \
         if args.out or args.sweep_points else None
     if args.json:
-        print(json.dumps({"config": dataclasses.asdict(cfg), "costs": sim.costs(cfg),
+        print(json.dumps({"config": dataclasses.asdict(cfg), "costs": costs(cfg),
                           "sync": result["sync"].summary(cfg.k), "async": result["async"].summary(cfg.k),
                           "speedup": result["speedup"], "sweep": sweep,
-                          "assumptions": list(sim.ASSUMPTIONS)}, indent=1))
+                          "assumptions": list(ASSUMPTIONS)}, indent=1))
     else:
         print("\n".join(report_lines(cfg, result, sweep)))
     if args.out:
@@ -157,7 +157,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     measured = json.loads(Path(args.measured).read_text())
-    out = sim.calibrate(measured)
+    out = calibrate(measured)
     if args.json:
         print(json.dumps(out, indent=1))
         return 0
@@ -166,7 +166,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if "measured_speedup" in out:
         print(f"measured speed-up {out['measured_speedup']:.3f}x, relative error "
               f"{100 * out['relative_error']:+.1f}%")
-    print("assumptions:\n" + "\n".join(f"  - {x}" for x in sim.ASSUMPTIONS))
+    print("assumptions:\n" + "\n".join(f"  - {x}" for x in ASSUMPTIONS))
     return 0
 
 
@@ -175,9 +175,9 @@ def cmd_presets(args: argparse.Namespace) -> int:
           "| trained samples/s, sync / async | async learner train / sync / wait "
           "| searcher generating, sync / async | async staleness p50 / p90 / mean / max | recent slots |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for name in sim.PRESETS:
-        cfg = sim.preset(name)
-        r = sim.compare(cfg)
+    for name in PRESETS:
+        cfg = preset(name)
+        r = compare(cfg)
         s, a = r["sync"], r["async"]
         lu, st = a.utilisation["learner"], a.staleness_stats()
         print(f"| {name} | {cfg.steps} | {s.wall_s / 3600:.2f} / {a.wall_s / 3600:.2f} "
@@ -189,7 +189,7 @@ def cmd_presets(args: argparse.Namespace) -> int:
               f"| {st['p50']:.0f} / {st['p90']:.0f} / {st['mean']:.1f} / {st['max']} "
               f"| {100 * st['recent_frac']:.0f}% |")
         if args.out:
-            sweep = sim.sweep_searchers(cfg, sorted({*SWEEP, cfg.num_searchers}))
+            sweep = sweep_searchers(cfg, sorted({*SWEEP, cfg.num_searchers}))
             plot(r, sweep, Path(args.out), f"sim_{name}_", name, cfg.num_searchers)
     return 0
 
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="simulate sync and async for one configuration")
-    r.add_argument("--preset", choices=list(sim.PRESETS), help="start from a preset layout")
+    r.add_argument("--preset", choices=list(PRESETS), help="start from a preset layout")
     r.add_argument("--from-json", help="JSON of SimConfig fields (e.g. measured costs)")
     r.add_argument("--out", help="directory for the PNGs (utilisation, staleness, speed-up sweep)")
     r.add_argument("--prefix", default="sim_", help="file-name prefix of the PNGs")
@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     add_config_flags(r)
     c = sub.add_parser("calibrate", help="predict sync/async ratio from measured per-role costs",
                        description="keys: " + "; ".join(f"{k}: {v}" for k, v in
-                                                         sim.CALIBRATION_KEYS.items()))
+                                                         CALIBRATION_KEYS.items()))
     c.add_argument("measured", help="JSON of measured costs (keys in --help)")
     c.add_argument("--json", action="store_true")
     t = sub.add_parser("presets", help="markdown table of every preset (and PNGs with --out)")

@@ -56,7 +56,7 @@ from hpc_tba.buffer.segments import (
 )
 
 if TYPE_CHECKING:
-    from hpc_tba.buffer.shard import BufferShard
+    from hpc_tba.buffer.storage import Store
 
 log = logging.getLogger(__name__)
 _GEN = re.compile(r"^g(\d{4})-n(\d{4})$")
@@ -84,7 +84,11 @@ def read_manifest(path: str) -> dict | None:
 
 
 class ShardLog:
-    """Append-only segment log of one shard (see the module docstring)."""
+    """Append-only segment log of one shard (see the module docstring).
+
+    The shard appends frames and replays records; compaction and the end of replay read the
+    shard's contents through its `storage.Store` (live slots, counters, sync marks), passed in,
+    so the log never imports the shard."""
 
     def __init__(self, root: str, cfg: BufferConfig, *, shard_id: int, num_shards: int) -> None:
         self.cfg = cfg
@@ -176,17 +180,17 @@ class ShardLog:
             f.flush()
             os.fsync(f.fileno())
 
-    def finish_replay(self, shard: BufferShard) -> None:
+    def finish_replay(self, store: Store) -> None:
         """End of replay: fold compaction counters back in, seal an import, maybe compact."""
         self.replaying = False
         for k, v in self.manifest.get("base", {}).items():
-            shard.store.counters[k] = shard.store.counters.get(k, 0) + v
+            store.counters[k] = store.counters.get(k, 0) + v
         if self.importing:
             self.flush()
             self.manifest["complete"] = True
             self._write_manifest(self.manifest)
             self.importing = False
-        self.maybe_compact(shard)
+        self.maybe_compact(store)
 
     # ---------------------------------------------------------------- appending
     def append(self, frame: bytes, responses: int = 0) -> None:
@@ -240,21 +244,21 @@ class ShardLog:
             self.fd = None
 
     # ---------------------------------------------------------------- compaction
-    def maybe_compact(self, shard: BufferShard) -> None:
+    def maybe_compact(self, store: Store) -> None:
         ratio = self.cfg.compact_ratio
         if self.replaying or ratio <= 0 or self.logged < _MIN_COMPACT:
             return
-        if self.logged - shard.store.alive > ratio * self.logged:
-            self.compact(shard)
+        if self.logged - store.alive > ratio * self.logged:
+            self.compact(store)
 
-    def compact(self, shard: BufferShard) -> None:
+    def compact(self, store: Store) -> None:
         """Rewrite the live responses into one new segment and drop the old ones."""
         self.close()
         path = self._new_segment()
         fd = os.open(path, os.O_WRONLY | os.O_APPEND)
         try:
             chunk: list[bytes] = []
-            for frame in live_frames(shard):
+            for frame in live_frames(store):
                 chunk.append(frame)
                 if len(chunk) >= 256:
                     write_all(fd, b"".join(chunk))
@@ -263,16 +267,15 @@ class ShardLog:
             os.fsync(fd)
         finally:
             os.close(fd)
-        st = shard.store
-        base = dict(st.counters)
-        base["added"] -= st.alive  # replaying the compacted log re-adds exactly the live ones
+        base = dict(store.counters)
+        base["added"] -= store.alive  # replaying the compacted log re-adds exactly the live ones
         old = self.manifest["segments"]
         self.manifest.update(segments=[os.path.basename(path)], base=base,
                              compactions=self.manifest["compactions"] + 1)
         self._write_manifest(self.manifest)
         for name in old:
             os.remove(os.path.join(self.dir, name))
-        self.logged = st.alive
+        self.logged = store.alive
 
     # ---------------------------------------------------------------- bookkeeping
     def offsets(self) -> dict:
@@ -321,10 +324,9 @@ class ShardLog:
                 os.remove(os.path.join(self.dir, name))
 
 
-def live_frames(shard: BufferShard) -> Iterator[bytes]:
+def live_frames(st: Store) -> Iterator[bytes]:
     """Frames that replay to the shard's current contents: live responses in order, grouped
     into one record per run of (prompt, version, searcher, times), sync markers in place."""
-    st = shard.store
     live = st.live_slots()
     s = st.s
     cols = [s[k][live] for k in ("pid", "version", "searcher", "time", "accept")]
@@ -333,7 +335,7 @@ def live_frames(shard: BufferShard) -> Iterator[bytes]:
         cut[0] = True
         for c in cols:
             cut[1:] |= c[1:] != c[:-1]
-    marks = [(int(np.searchsorted(live, b)), v) for b, v in zip(st.marks, shard._syncs)]
+    marks = [(int(np.searchsorted(live, b)), v) for b, v in zip(st.marks, st.syncs)]
     for p, _ in marks:
         if p < live.size:
             cut[p] = True
@@ -348,7 +350,7 @@ def live_frames(shard: BufferShard) -> Iterator[bytes]:
             yield encode_sync(version, t)
 
 
-def _record(st, slots: np.ndarray) -> TrajRecord:
+def _record(st: Store, slots: np.ndarray) -> TrajRecord:
     s, i = st.s, int(slots[0])
     idx = st.gather_index(slots)
     adv = s["adv"][slots]

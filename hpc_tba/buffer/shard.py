@@ -51,7 +51,6 @@ class BufferShard:
                            eviction=cfg.eviction)
         self.rng = np.random.Generator(np.random.PCG64([seed, shard_id]))
         self.sync_version = -1
-        self._syncs: list[tuple[int, float]] = []  # last two (version, time); store.marks aligns
         self._recent: dict[int, None] = {}  # prompts refreshed since the latest sync, in order
         self._recent_prev: dict[int, None] = {}  # ... in the interval before it
         self._last_sample: dict[str, float] = {}
@@ -136,7 +135,7 @@ class BufferShard:
             assert self._log is not None
             sub = _subset(r, keep, self.store.last_dropped)
             self._log.append(encode_traj(sub), responses=int(keep.size))
-            self._log.maybe_compact(self)
+            self._log.maybe_compact(self.store)
         return stored
 
     def mark_sync(self, version: int) -> None:
@@ -149,8 +148,7 @@ class BufferShard:
     def _apply_sync(self, version: int, t: float) -> None:
         self.sync_version = version
         self._recent_prev, self._recent = self._recent, {}
-        self._syncs = (self._syncs + [(version, t)])[-2:]
-        self.store.marks = (self.store.marks + [self.store.n_slots])[-2:]
+        self.store.mark_sync(version, t)
 
     # ---------------------------------------------------------------- reading
     def __len__(self) -> int:
@@ -274,7 +272,7 @@ class BufferShard:
                         self._log.append(encode_sync(rec.version, rec.time))
             else:
                 self._apply(rec, log=importing)
-        self._log.finish_replay(self)
+        self._log.finish_replay(self.store)
 
 
 def staleness_lags(batch: SampledBatch, learner_version: int) -> np.ndarray:

@@ -83,6 +83,7 @@ class Store:
         self.dead_tok = 0
         self.head = 0  # every slot below head is dead
         self.marks: list[int] = []  # slot boundaries of the last weight syncs (kept by compact)
+        self.syncs: list[tuple[int, float]] = []  # (version, time) of each mark, same order
         self._low = np.zeros(0, dtype=np.int64)  # lowest-reward eviction candidates, sorted
         self._low_t = -np.inf  # every live slot with reward <= this is in _low
         self.prompts: dict[int, Prompt] = {}
@@ -325,6 +326,12 @@ class Store:
         low = remap[self._low]
         self._low = low[low >= 0]
         return remap
+
+    def mark_sync(self, version: int, t: float) -> None:
+        """A weight sync after the slots stored so far: the last two boundaries and their
+        (version, time), which the shard's recent set and the log's compaction use."""
+        self.marks = (self.marks + [self.n_slots])[-2:]
+        self.syncs = (self.syncs + [(version, t)])[-2:]
 
     # ---------------------------------------------------------------- reading
     def gather_index(self, slots: np.ndarray) -> np.ndarray:

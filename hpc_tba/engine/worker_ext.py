@@ -2,7 +2,7 @@
 
 An out-of-process engine (vLLM V1 multiprocessing: the EngineCore and its workers are child
 processes; tensor parallelism always works this way) cannot take tensors by a direct call. The
-searcher's process keeps receiving the learner's broadcast as before (`comm/weight_sync.py`) and
+searcher's process keeps receiving the learner's broadcast as before (`comm/weight_sync/`) and
 then hands the staged buffers on to the engine's workers, one hop on the same node:
 
 - CPU staging: a small **per-engine** gloo group, rank 0 = the searcher's process, ranks 1..TP =
@@ -18,12 +18,11 @@ workers load them in place inside one `collective_rpc` call through `reload_weig
 layer-wise reload, the same call the in-process engine makes), streaming bucket by bucket.
 
 `WeightHopExtension` is mixed into vLLM's worker class (`worker_extension_cls`); it runs in the
-engine's processes, so this module imports only torch and `comm/weight_sync.py` (no MPI).
+engine's processes, so this module imports only torch and `comm/weight_sync/` (no MPI).
 """
 from __future__ import annotations
 
 import datetime
-import math
 import pickle
 import threading
 from collections.abc import Callable, Iterator
@@ -203,12 +202,8 @@ class WeightHopExtension:
 
         def tensors() -> Iterator[tuple[str, torch.Tensor]]:
             for b, flat in buckets:
-                off = 0
-                for i in m.buckets[b]:
-                    n = math.prod(m.shapes[i])
-                    yield m.names[i], flat[off: off + n].view(m.shapes[i])
-                    off += n
-                loaded[0] += off
+                yield from m.bucket_views(b, flat)
+                loaded[0] += m.bucket_numel(b)
 
         self.reload_weights(weights_iterator=tensors())
         from hpc_tba.models.naming import refresh_tied_heads

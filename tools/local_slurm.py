@@ -1,4 +1,4 @@
-"""A real Slurm on this machine for tests: a context manager around tools/local_slurm.sh.
+"""A real Slurm on this machine for tests: a context manager around local_slurm.sh beside it.
 
 Why a real one: sbatch scripts, `srun --mpi=pmi2` across (virtual) nodes and the requeue path are
 exactly what a mock would get wrong. The daemons start in well under a second; readiness is the
@@ -7,6 +7,9 @@ script's handshake (`scontrol ping`, every node idle), and waiting for a job pol
     with LocalSlurm("/tmp/hpc_tba_slurm", nodes=3) as slurm:
         job = slurm.sbatch(["slurm/tiny_cpu.sh"], cwd=run_dir)
         assert slurm.wait(job) == "COMPLETED"
+
+A test harness, not part of the installed package: the tests import it as `local_slurm`
+(tests/conftest.py puts tools/ on sys.path).
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "local_slurm.sh"
+SCRIPT = Path(__file__).resolve().parent / "local_slurm.sh"
 APT_INSTALL = ["apt-get", "install", "-y", "slurm-wlm", "munge"]
 # Job states after which a job will not run again on its own.
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",

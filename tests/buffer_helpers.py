@@ -1,4 +1,5 @@
-"""Small builders for buffer tests, tools and benchmarks (no test framework needed)."""
+"""Small builders for buffer tests (no test framework needed): batches with given or random
+responses, and what a shard stores, read back for comparison."""
 from __future__ import annotations
 
 import collections

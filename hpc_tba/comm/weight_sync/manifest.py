@@ -1,0 +1,115 @@
+"""The weight-sync protocol both sides agree on: header flags, wire dtypes, and the `Manifest`
+(parameter names and shapes in broadcast order, split into buckets; see the package docstring)."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Iterator
+
+import torch
+
+FLAG_EVAL = 1
+"""The searchers should evaluate this version on the held-out split."""
+FLAG_STOP = 2
+"""No more versions: receivers exit."""
+
+WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""Dtypes weights may travel in, by the name the manifest's JSON carries."""
+_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def wire_dtype_name(dtype: torch.dtype | str) -> str:
+    """Canonical manifest name of a wire dtype (accepts torch dtypes, `bf16`, `bfloat16`, ...)."""
+    if isinstance(dtype, torch.dtype):
+        names = {v: k for k, v in WIRE_DTYPES.items()}
+        if dtype not in names:
+            raise ValueError(f"weight-sync wire dtype {dtype} is not one of {list(WIRE_DTYPES)}")
+        return names[dtype]
+    name = _ALIASES.get(dtype, dtype)
+    if name not in WIRE_DTYPES:
+        raise ValueError(f"weight-sync wire dtype {dtype!r} is not one of {list(WIRE_DTYPES)}")
+    return name
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+    """Parameter names and shapes in broadcast order, grouped into buckets, and the wire dtype."""
+
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    buckets: tuple[tuple[int, ...], ...]  # indices into names, in order
+    wire_dtype: str = "float32"
+    """Name (a key of WIRE_DTYPES) of the dtype every bucket travels in."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "wire_dtype", wire_dtype_name(self.wire_dtype))
+        order = [i for b in self.buckets for i in b]
+        if order != list(range(len(self.names))) or len(self.shapes) != len(self.names):
+            raise ValueError("weight manifest buckets must cover every parameter once, in order")
+
+    @classmethod
+    def build(cls, named_shapes: list[tuple[str, tuple[int, ...]]], *, bucket_bytes: int,
+              wire_dtype: torch.dtype | str = torch.float32) -> Manifest:
+        """Greedy bucketing: a bucket closes before the parameter that would overflow it (a
+        parameter larger than `bucket_bytes` gets a bucket of its own)."""
+        itemsize = torch.empty((), dtype=WIRE_DTYPES[wire_dtype_name(wire_dtype)]).element_size()
+        buckets, current, size = [], [], 0
+        for i, (_, shape) in enumerate(named_shapes):
+            nbytes = math.prod(shape) * itemsize
+            if current and size + nbytes > bucket_bytes:
+                buckets.append(tuple(current))
+                current, size = [], 0
+            current.append(i)
+            size += nbytes
+        if current:
+            buckets.append(tuple(current))
+        return cls(tuple(n for n, _ in named_shapes), tuple(tuple(s) for _, s in named_shapes),
+                   tuple(buckets), wire_dtype_name(wire_dtype))
+
+    def to_json(self) -> dict:
+        return {"names": list(self.names), "shapes": [list(s) for s in self.shapes],
+                "buckets": [list(b) for b in self.buckets], "wire_dtype": self.wire_dtype}
+
+    @classmethod
+    def from_json(cls, d: dict) -> Manifest:
+        return cls(tuple(d["names"]), tuple(tuple(s) for s in d["shapes"]),
+                   tuple(tuple(b) for b in d["buckets"]), d.get("wire_dtype", "float32"))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return WIRE_DTYPES[self.wire_dtype]
+
+    def bucket_numel(self, b: int) -> int:
+        return sum(math.prod(self.shapes[i]) for i in self.buckets[b])
+
+    @property
+    def largest_bucket_numel(self) -> int:
+        """Elements of the largest bucket: what one staging slot or bucket buffer must hold."""
+        return max(self.bucket_numel(b) for b in range(len(self.buckets)))
+
+    def bucket_views(self, b: int, flat: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, view into `flat`) of every parameter of bucket b, in order; `flat` holds the
+        bucket as it travels (its parameters back to back)."""
+        off = 0
+        for i in self.buckets[b]:
+            n = math.prod(self.shapes[i])
+            yield self.names[i], flat[off: off + n].view(self.shapes[i])
+            off += n
+
+    @functools.cached_property
+    def bucket_starts(self) -> tuple[int, ...]:
+        """Element offset of each bucket in the concatenation of all buckets (and the total)."""
+        starts = [0]
+        for b in range(len(self.buckets)):
+            starts.append(starts[-1] + self.bucket_numel(b))
+        return tuple(starts)
+
+    @property
+    def numel(self) -> int:
+        return self.bucket_starts[-1]
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of one sync on the wire (header excluded)."""
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()

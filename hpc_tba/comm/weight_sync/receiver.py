@@ -1,0 +1,315 @@
+"""Searcher side of the weight sync: a thread receives every version, bucket by bucket, into
+bounded staging (device, host or stream), and the staging's memory formula the planner counts."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import math
+import queue
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator
+
+import torch
+
+from hpc_tba.comm.weight_sync.group import broadcast
+from hpc_tba.comm.weight_sync.manifest import FLAG_EVAL, FLAG_STOP, Manifest
+
+
+@dataclasses.dataclass
+class StagedWeights:
+    version: int
+    flags: int
+    tensors: list[tuple[str, torch.Tensor]]
+    """(name, tensor in the wire dtype): views into the receiver's one version buffer; read them
+    inside `WeightReceiver.reading()` (the next version overwrites the buffer)."""
+
+
+@dataclasses.dataclass
+class StreamedWeights:
+    """A version whose buckets are still arriving (staging=stream): iterate `tensors()` once,
+    straight into the engine; each bucket is received while the one before it is loaded."""
+
+    version: int
+    flags: int
+    tensors: Callable[[], Iterator[tuple[str, torch.Tensor]]]
+
+
+STAGING_MODES = ("device", "host", "stream")
+
+
+def staging_bytes(manifest: Manifest, staging: str) -> int:
+    """The searcher's sync memory (bytes the receiver allocates) for a manifest: device and host
+    staging hold one whole version plus one bucket; stream holds two buckets."""
+    itemsize = torch.empty((), dtype=manifest.dtype).element_size()
+    bucket = manifest.largest_bucket_numel * itemsize
+    if staging == "stream":
+        return 2 * bucket
+    if staging in ("device", "host"):
+        return manifest.total_bytes + bucket
+    raise ValueError(f"weight staging {staging!r} is not one of {STAGING_MODES}")
+
+
+def resolve_staging(staging: str, device: str, manifest: Manifest, *,
+                    free_bytes: int | None = None, headroom: float = 0.9) -> str:
+    """searcher.staging with `auto` resolved: device when one staged version (and a bucket) fits
+    in `headroom` of the engine GPU's free memory (`free_bytes`, measured once the engine holds
+    its share), else host; host on CPU."""
+    if staging != "auto":
+        if staging not in STAGING_MODES:
+            raise ValueError(f"searcher.staging={staging!r} is not auto or one of {STAGING_MODES}")
+        return staging
+    if torch.device(device).type != "cuda":
+        return "host"
+    if free_bytes is None:
+        free_bytes = torch.cuda.mem_get_info(torch.device(device))[0]
+    return "device" if staging_bytes(manifest, "device") <= headroom * free_bytes else "host"
+
+
+class WeightReceiver:
+    """Searcher side: a thread receives every version, bucket by bucket, into bounded staging.
+
+    `device` is where broadcasts land (the sync group's device: cuda for NCCL). `staging`:
+
+    - device: one version buffer on `device`, plus one bucket the broadcast lands in.
+    - host: the version buffer in host memory (pinned when CUDA exists), plus one bucket on
+      `device` (NCCL cannot receive into host memory).
+    - stream: no version buffer; `take()` hands out a `StreamedWeights` as soon as a version's
+      header arrived and the buckets are received while the engine loads them. At most two
+      buckets are allocated at a time (one being loaded, one being received). The learner's
+      broadcast of a bucket completes only once this searcher posts its receive, so with
+      between-rounds updates a streamed version holds the learner until the round ends.
+
+    Memory (`staging_bytes`): device/host = one whole version + one bucket; stream = two buckets
+    (the largest bucket of the manifest, in its wire dtype, which is the engine's dtype with
+    `learner.sync_wire_dtype=auto`). Only one version is ever staged: a version that arrives
+    before the previous one was taken replaces it. A vLLM layer whose parameters straddle more
+    than two buckets keeps the earlier ones referenced until it is complete (vLLM's layer-wise
+    reload), so stream's bound needs buckets no smaller than one layer. `peak_staging_bytes`
+    counts every byte the receiver allocated, measured, not computed.
+    """
+
+    def __init__(self, manifest: Manifest, group, *, device: str = "cpu", staging: str = "host"):
+        if staging not in STAGING_MODES:
+            raise ValueError(f"weight staging {staging!r} is not one of {STAGING_MODES} "
+                             "(resolve auto with resolve_staging)")
+        self.manifest, self.group, self.device, self.staging = manifest, group, device, staging
+        self._cond = threading.Condition()
+        self._latest: StagedWeights | StreamedWeights | None = None
+        self._complete: StagedWeights | None = None  # the whole version in the buffer
+        self._readers = 0
+        self._version_buf: torch.Tensor | None = None
+        self._bucket: torch.Tensor | None = None
+        self._pending_eval: list[int] = []
+        self._stream_live = 0  # stream: bucket buffers alive (at most two, see _consume)
+        self._want_bucket = self._overdraft = False
+        self._buckets: queue.Queue = queue.Queue()
+        self._consumed = threading.Event()
+        self.staging_now, self.peak_staging_bytes = 0, 0
+        self.received_versions: list[int] = []
+        self.stopped = False
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="weight-receiver", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ receiving thread
+    def _loop(self) -> None:
+        try:
+            while True:
+                header = torch.zeros(3, dtype=torch.int64, device=self.device)
+                broadcast(self.group, header)
+                version, flags, nb = (int(x) for x in header)
+                if flags & FLAG_STOP:
+                    return
+                if nb != len(self.manifest.buckets):
+                    raise RuntimeError(f"sync header announces {nb} buckets, manifest has "
+                                       f"{len(self.manifest.buckets)}")
+                if self.staging == "stream":
+                    self._stream(version, flags)
+                else:
+                    self._stage(version, flags)
+        except BaseException as e:  # surfaced to the searcher's main loop by take()
+            self.error = e
+            with self._cond:
+                self._buckets.put(None)  # a consumer waiting for a bucket wakes up and raises
+                self._cond.notify_all()
+        finally:
+            with self._cond:
+                self.stopped = True
+                self._cond.notify_all()
+
+    def _alloc(self, numel: int, device, *, pin: bool = False, stream: bool = False) -> torch.Tensor:
+        """A buffer whose bytes count as staging until the last view of it is gone."""
+        t = torch.empty(numel, dtype=self.manifest.dtype, device=device, pin_memory=pin)
+        nbytes = t.numel() * t.element_size()
+        with self._cond:
+            self.staging_now += nbytes
+            self._stream_live += stream
+            self.peak_staging_bytes = max(self.peak_staging_bytes, self.staging_now)
+        weakref.finalize(t, self._freed, nbytes, stream)
+        return t
+
+    def _freed(self, nbytes: int, stream: bool) -> None:
+        with self._cond:
+            self.staging_now -= nbytes
+            self._stream_live -= stream
+            self._cond.notify_all()
+
+    def _stage(self, version: int, flags: int) -> None:
+        """Device/host staging: each bucket lands in the bucket buffer, then is copied into the
+        version buffer (never while the main thread reads it)."""
+        m, starts = self.manifest, self.manifest.bucket_starts
+        if self._version_buf is None:
+            host = self.staging == "host"
+            where = "cpu" if host else self.device
+            self._version_buf = self._alloc(m.numel, where, pin=host and torch.cuda.is_available())
+            self._bucket = self._alloc(m.largest_bucket_numel, self.device)
+        flat = self._version_buf
+        for b in range(len(m.buckets)):
+            part = self._bucket[: m.bucket_numel(b)]
+            broadcast(self.group, part)
+            with self._cond:
+                self._cond.wait_for(lambda: self._readers == 0)
+                self._latest = self._complete = None  # the buffer no longer holds a whole version
+                flat[starts[b]: starts[b + 1]].copy_(part)
+                if part.is_cuda or flat.is_cuda:  # the main thread reads on its own stream
+                    torch.cuda.current_stream(part.device if part.is_cuda else flat.device).synchronize()
+        staged = StagedWeights(version, flags, _views(m, flat, 0))
+        with self._cond:
+            self._latest = self._complete = staged
+            self._announce(version, flags)
+
+    def _stream(self, version: int, flags: int) -> None:
+        """Stream staging: hand the version out now; receive bucket b once fewer than two buckets
+        are alive (freed by whoever held them last: the engine's loader, usually)."""
+        m = self.manifest
+        self._consumed.clear()
+        with self._cond:
+            self._latest = StreamedWeights(version, flags, functools.partial(self._consume, version))
+            self._announce(version, flags)
+        for b in range(len(m.buckets)):
+            with self._cond:
+                self._want_bucket = True
+                self._cond.notify_all()
+                self._cond.wait_for(lambda: self._stream_live < 2 or self._overdraft)
+                self._want_bucket = self._overdraft = False
+            buf = self._alloc(m.bucket_numel(b), self.device, stream=True)
+            broadcast(self.group, buf)
+            if buf.is_cuda:
+                torch.cuda.current_stream(buf.device).synchronize()
+            with self._cond:
+                self._buckets.put((b, buf))
+                self._cond.notify_all()
+            del buf  # the consumer (and vLLM's layer-wise reload) holds the only references
+        self._consumed.wait()
+
+    def _consume(self, version: int) -> Iterator[tuple[str, torch.Tensor]]:
+        """The buckets of a streamed version, in order, each as soon as it has arrived.
+
+        If the loader still holds two buckets when it asks for the next one (a vLLM layer whose
+        parameters straddle three buckets), one more bucket is allowed: waiting would deadlock.
+        """
+        m = self.manifest
+        try:
+            for b in range(len(m.buckets)):
+                with self._cond:
+                    self._cond.wait_for(lambda: not self._buckets.empty() or self.error is not None
+                                        or (self._want_bucket and self._stream_live >= 2))
+                    if self._buckets.empty() and self.error is None:
+                        self._overdraft = True
+                        self._cond.notify_all()
+                item = self._buckets.get()
+                if item is None:
+                    raise RuntimeError(f"weight receiver failed: {self.error}") from self.error
+                got, buf = item
+                del item
+                if got != b:
+                    raise RuntimeError(f"weight stream: bucket {got} arrived where {b} was due")
+                yield from m.bucket_views(b, buf)
+                del buf
+        finally:
+            self._consumed.set()
+
+    def _announce(self, version: int, flags: int) -> None:
+        self.received_versions.append(version)
+        if flags & FLAG_EVAL:
+            self._pending_eval.append(version)
+        self._cond.notify_all()
+
+    # ------------------------------------------------------------ the searcher's side
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[None]:
+        """While inside, staged tensors stay as they are (the receiver waits to overwrite them)."""
+        with self._cond:
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._readers -= 1
+                self._cond.notify_all()
+
+    def ready(self) -> bool:
+        """Whether a version not yet taken is staged (or, streaming, announced)."""
+        if self.error is not None:
+            raise RuntimeError(f"weight receiver failed: {self.error}") from self.error
+        return self._latest is not None
+
+    def take(self) -> tuple[StagedWeights | StreamedWeights | None, list[int]]:
+        """The newest version not yet taken (or None) and versions awaiting evaluation.
+
+        Staged tensors are valid while the caller is inside `reading()`; a StreamedWeights must
+        be iterated (once, to the end) before the receiver can take the next version.
+        """
+        if self.error is not None:
+            raise RuntimeError(f"weight receiver failed: {self.error}") from self.error
+        with self._cond:
+            latest, self._latest = self._latest, None
+            evals, self._pending_eval = self._pending_eval, []
+        return latest, evals
+
+    def current(self) -> StagedWeights | None:
+        """The whole version in the buffer (taken or not; call inside `reading()`), or None when
+        a newer one is half received or the staging is stream (an engine rebuilt then waits for
+        the next version)."""
+        with self._cond:
+            return self._complete
+
+    def drain(self) -> None:
+        """Stream staging: consume (and discard) a version nobody will load, so the thread can
+        reach the next header (a searcher that stops)."""
+        latest, _ = self.take() if self.error is None else (None, [])
+        if isinstance(latest, StreamedWeights):
+            for _ in latest.tensors():
+                pass
+
+    def wait_for(self, version: int, timeout: float | None = None) -> bool:
+        """Block until a version >= `version` has been received (False on timeout or stop)."""
+        with self._cond:
+            return self._cond.wait_for(
+                lambda: self.stopped or any(v >= version for v in self.received_versions),
+                timeout) and any(v >= version for v in self.received_versions)
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait for the thread to end (after STOP), draining streamed versions on the way."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._thread.is_alive():
+            if self.staging == "stream":
+                self.drain()
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return
+            self._thread.join(0.05 if left is None else min(0.05, left))
+
+
+def _views(m: Manifest, flat: torch.Tensor, first: int) -> list[tuple[str, torch.Tensor]]:
+    """(name, view) of every parameter from index `first` on, laid out from flat[0]."""
+    out, off = [], 0
+    for name, shape in zip(m.names[first:], m.shapes[first:]):
+        n = math.prod(shape)
+        out.append((name, flat[off: off + n].view(shape)))
+        off += n
+    return out
+

@@ -1,0 +1,162 @@
+"""Learner side of the weight sync: ZeRO-3 gathers into two alternating staging slots, each bucket
+broadcast while the next one is gathered."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from hpc_tba.comm.weight_sync.group import broadcast, broadcast_async
+from hpc_tba.comm.weight_sync.manifest import FLAG_STOP, Manifest
+
+
+class WeightSender:
+    """Learner side. Every learner rank calls `send`; only rank 0 has a group and broadcasts.
+
+    Gathering: parameters partitioned by ZeRO-3 (`deepspeed.zero.Init`) are all-gathered straight
+    from their shards (`ds_tensor`, the authoritative copy ZeRO-3's optimizer writes) into the
+    flat staging slot, in the layout ZeRO-3 partitions them (the flattened parameter cut into
+    world-size equal pieces, zero-padded at the end). That is the collective GatheredParameters
+    runs, minus the fresh full-size allocation per parameter (page faults on every sync on CPU)
+    and minus the second copy into the flat buffer. Anything else (plain parameters, ZeRO++
+    secondary partitions, quantized or offloaded shards, `direct_gather=False`) goes through
+    `deepspeed.zero.GatheredParameters` and a pack.
+    """
+
+    def __init__(self, module: torch.nn.Module, manifest: Manifest, group, *, device: str = "cpu",
+                 direct_gather: bool = True):
+        params = dict(module.named_parameters())
+        missing = [n for n in manifest.names if n not in params]
+        if missing:
+            raise ValueError(f"weight manifest names parameters the model lacks: {missing[:3]}")
+        self.params = [params[n] for n in manifest.names]
+        self.manifest = manifest
+        self.group = group
+        self.device = torch.device(device)
+        self.direct = direct_gather and all(_shard_gatherable(p, self.device) for p in self.params)
+        self._slots: list[torch.Tensor] = []  # two flat staging buffers, kept across syncs
+        self._works: list = [None, None]  # the broadcast that last read each slot
+        self._scratch: torch.Tensor | None = None  # gathers whose dtype differs from the wire's
+        self.last_timing: dict[str, float] = {}
+        """Seconds of the last `send` spent gathering+packing, and blocked on broadcasts."""
+
+    def send(self, version: int, *, flags: int = 0) -> int:
+        """Gather and broadcast every bucket; returns bytes broadcast (0 on ranks other than 0).
+
+        Every learner rank joins the gathers (collectives on the learners' group) while rank 0's
+        broadcast of the previous bucket is in flight on the sync group. Returns once every
+        broadcast of this version has completed on this rank.
+        """
+        m, root = self.manifest, self.group is not None
+        # on the group's device: NCCL moves only CUDA tensors
+        header = torch.tensor([version, flags, len(m.buckets)], dtype=torch.int64, device=self.device)
+        header_work = broadcast_async(self.group, header) if root else None
+        sent, t_gather, t_wait = 0, 0.0, 0.0
+        for b, idx in enumerate(m.buckets):
+            t0 = time.perf_counter()
+            # other learner ranks need a slot only as the all-gather's output
+            flat = self._free_slot(b % 2, m.bucket_numel(b)) if root or self.direct else None
+            t1 = time.perf_counter()
+            self._gather([self.params[i] for i in idx], b % 2, flat, pack=root)
+            t_wait, t_gather = t_wait + t1 - t0, t_gather + time.perf_counter() - t1
+            if root:
+                self._works[b % 2] = broadcast_async(self.group, flat)
+                sent += flat.numel() * flat.element_size()
+        t0 = time.perf_counter()
+        if root:
+            header_work.wait()
+            for slot in range(len(self._works)):
+                self._free_slot(slot, 0)
+        self.last_timing = {"gather_pack_s": t_gather, "wait_s": t_wait + time.perf_counter() - t0}
+        return sent
+
+    def _gather(self, params: list[torch.nn.Parameter], slot: int, flat: torch.Tensor, *,
+                pack: bool) -> None:
+        if not self.direct:
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+                if pack:
+                    _pack(params, flat)
+            return
+        import torch.distributed as dist
+
+        off, whole = 0, self._slots[slot]
+        for p in params:
+            shard = p.ds_tensor  # [partition], this rank's piece of the flattened parameter
+            world = dist.get_world_size(group=p.ds_process_group)
+            total = shard.numel() * world
+            if world == 1:  # the shard is the whole parameter (gloo's all-gather of one: 3-6x slower)
+                whole[off: off + p.ds_numel].copy_(shard[: p.ds_numel])
+            elif shard.dtype == whole.dtype:  # the padding spills into the next parameter's place
+                _all_gather(whole[off: off + total], shard, p.ds_process_group)
+            else:
+                out = self._scratch_for(total, shard.dtype)
+                _all_gather(out, shard, p.ds_process_group)
+                whole[off: off + p.ds_numel].copy_(out[: p.ds_numel])
+            off += p.ds_numel
+
+    def _free_slot(self, slot: int, numel: int) -> torch.Tensor:
+        """Slot `slot` as a flat [numel] buffer, once the broadcast that last read it is done."""
+        work, self._works[slot] = self._works[slot], None
+        if work is not None:
+            work.wait()
+        if not self._slots:
+            m = self.manifest
+            largest = m.largest_bucket_numel
+            if self.direct:  # room for the zero padding of a bucket's last parameter
+                largest += max(_gathered_numel(p) - p.ds_numel for p in self.params)
+            self._slots = [torch.empty(largest, dtype=m.dtype, device=self.device) for _ in range(2)]
+        return self._slots[slot][:numel]
+
+    def _scratch_for(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        if self._scratch is None or self._scratch.dtype != dtype:
+            largest = max(_gathered_numel(p) for p in self.params)
+            self._scratch = torch.empty(largest, dtype=dtype, device=self.device)
+        return self._scratch[:numel]
+
+    def stop(self) -> None:
+        if self.group is not None:
+            broadcast(self.group, torch.tensor([-1, FLAG_STOP, 0], dtype=torch.int64, device=self.device))
+
+
+def _shard_gatherable(p: torch.nn.Parameter, device: torch.device) -> bool:
+    """A plain ZeRO-3 partitioned parameter whose shard lives where the staging buffers do."""
+    shard = getattr(p, "ds_tensor", None)
+    return (shard is not None and getattr(p, "ds_secondary_tensor", None) is None
+            and not hasattr(shard, "ds_quant_scale") and shard.device.type == device.type
+            and getattr(p, "ds_process_group", None) is not None)
+
+
+def _all_gather(out: torch.Tensor, shard: torch.Tensor, group) -> None:
+    """out[r * n: (r + 1) * n] = rank r's shard, for every rank r of `group`.
+
+    On gloo as one broadcast per rank: gloo's all-gather moves ~3.5x less data per second than its
+    broadcast (measured here: 200 MB over 2 ranks, 0.27 s vs 0.08 s). NCCL's all-gather is optimal.
+    """
+    import torch.distributed as dist
+
+    if dist.get_backend(group) != "gloo":
+        dist.all_gather_into_tensor(out, shard, group=group)
+        return
+    n, me = shard.numel(), dist.get_rank(group)
+    out[me * n: (me + 1) * n].copy_(shard)
+    works = [dist.broadcast(out[r * n: (r + 1) * n], dist.get_global_rank(group, r), group=group,
+                            async_op=True) for r in range(dist.get_world_size(group))]
+    for w in works:
+        w.wait()
+
+
+def _gathered_numel(p: torch.nn.Parameter) -> int:
+    import torch.distributed as dist
+
+    return p.ds_tensor.numel() * dist.get_world_size(group=p.ds_process_group)
+
+
+def _pack(params: list[torch.Tensor], flat: torch.Tensor) -> None:
+    """Copy (and cast) gathered parameters into consecutive slices of `flat`, in one pass each."""
+    off = 0
+    for p in params:
+        n = p.numel()
+        flat[off: off + n].view(p.shape).copy_(p.data.detach())
+        off += n
