@@ -50,7 +50,7 @@ def rank_env(threads: int) -> dict[str, str]:
 
 
 def train(overrides: list[str], *, verbose: bool = False) -> int:
-    from hpc_tba.config import compose
+    from hpc_tba.assembly.compose import compose
     from hpc_tba.console import LAUNCHER_ENV, VERBOSE_ENV, captured, log_dir
     from hpc_tba.models.tiny import resolve_model_path
     cfg = compose(overrides)
@@ -116,7 +116,7 @@ def job_result(run_dir: str, code: int) -> int:
 def preprocess(overrides: list[str]) -> int:
     """`hpc-tba preprocess task=offline task.path=FILE`: behaviour/reference log-probs and A-LoL
     advantages under the starting policy, written next to the data (see roles/offline.py)."""
-    from hpc_tba.config import compose
+    from hpc_tba.assembly.compose import compose
     from hpc_tba.models.tiny import resolve_model_path
     from hpc_tba.roles.offline import preprocess_file
 

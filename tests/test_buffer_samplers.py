@@ -12,9 +12,10 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hpc_tba.buffer import BufferConfig, BufferShard
+from hpc_tba.buffer import BufferShard
 from hpc_tba.buffer.samplers import choose_rows
 from hpc_tba.buffer.testing import make_batch
+from hpc_tba.config import BufferConfig
 
 DRAWS = 3000
 

@@ -10,8 +10,9 @@ import sys
 import numpy as np
 import pytest
 
-from hpc_tba.buffer import BufferConfig, BufferShard
+from hpc_tba.buffer import BufferShard
 from hpc_tba.buffer.testing import contents, random_batch
+from hpc_tba.config import BufferConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
@@ -58,7 +59,7 @@ def test_bench_prints_its_figures():
 @pytest.mark.parametrize("name", ["tba", "tldr", "redteam", "alol", "uniform"])
 def test_buffer_yaml_composes_to_the_dataclass(name):
     pytest.importorskip("hydra")
-    from hpc_tba.config import compose
+    from hpc_tba.assembly.compose import compose
 
     cfg = compose([f"buffer={name}"]).buffer
     assert isinstance(cfg, BufferConfig)

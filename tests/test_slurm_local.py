@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from hpc_tba.config import compose
+from hpc_tba.assembly.compose import compose
 from hpc_tba.launcher import local_slurm
 from hpc_tba.launcher.slurm import sbatch_script
 
@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 PROBE = textwrap.dedent("""
     import json, os, sys
     from mpi4py import MPI
-    from hpc_tba.config import compose
+    from hpc_tba.assembly.compose import compose
     from hpc_tba.launcher.slurm import SlurmEnv, check_placement, topology_of
     comm = MPI.COMM_WORLD
     overrides = [a for a in sys.argv[1:] if not a.startswith("run_dir=")]

@@ -126,8 +126,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not (args.recording and args.out):
         ap.error("--recording and --out are required (or --record)")
+    from hpc_tba.assembly.compose import compose
     from hpc_tba.comm.groups import setup_groups
-    from hpc_tba.config import compose
     from hpc_tba.roles import build
 
     cfg = compose(["cluster.num_learners=1", "cluster.num_searchers=1", f"run_dir={args.out}/run",

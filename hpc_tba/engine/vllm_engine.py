@@ -58,7 +58,7 @@ from collections.abc import Callable, Iterator, Sequence
 import numpy as np
 import torch
 
-from hpc_tba.roles.config import SearcherConfig
+from hpc_tba.config import SearcherConfig
 
 
 @dataclasses.dataclass(frozen=True)

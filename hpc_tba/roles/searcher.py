@@ -55,9 +55,9 @@ import numpy as np
 
 from hpc_tba.comm.transport import MPITransport, Tag
 from hpc_tba.comm.weight_sync import StagedWeights, WeightReceiver
+from hpc_tba.config import SearcherConfig
 from hpc_tba.engine.vllm_engine import VLLMEngine
 from hpc_tba.messages import TrajectoryBatch
-from hpc_tba.roles.config import SearcherConfig
 from hpc_tba.roles.logging import RunLogger, Timers
 from hpc_tba.tasks import Task
 from hpc_tba.topology import Topology

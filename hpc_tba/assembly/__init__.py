@@ -1,0 +1,1 @@
+"""The assembly layer: composes the run's configuration and builds the system from components."""
