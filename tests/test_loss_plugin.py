@@ -160,3 +160,28 @@ def test_the_real_learner_trains_the_plugin(plugin_path, tmp_path, monkeypatch):
     for kl, report in zip(kls, json.loads((tmp_path / "report.json").read_text())):
         assert report["has_ref"] is (kl > 0), report  # the learner builds the reference only when declared
         assert report["moved"] > 0 and all(np.isfinite(report["losses"])), report
+
+
+def test_the_registry_refuses_what_it_cannot_serve(plugin_path):
+    from hpc_tba.config import AlgoConfig
+    from hpc_tba.losses import registry
+
+    compose(["algo=clipped_pg"])  # imports the plugin module
+
+    with pytest.raises(TypeError, match="subclassing AlgoConfig"):
+        registry.register(registry.Objective("bad", dict, lambda *a, **k: None))
+
+    @dataclasses.dataclass
+    class Impostor(AlgoConfig):
+        pass
+
+    for name in ("tb", "clipped_pg"):  # a built-in (imported or not yet), a plugin already imported
+        with pytest.raises(ValueError, match="already registered"):
+            registry.register(registry.Objective(name, Impostor, lambda *a, **k: None))
+    with pytest.raises(ValueError, match="algo.name='ppo' is not one of"):
+        registry.make_config("ppo")
+    with pytest.raises(ValueError, match="cannot be imported"):
+        registry.objective("x", "no_such_module_for_hpc_tba")
+    with pytest.raises(TypeError, match="needs a TBConfig"):
+        registry.objective_of(AlgoConfig(name="tb"))  # the bare common part is no objective's config
+    assert type(registry.make_config("tb", beta0=0.5)).__name__ == "TBConfig"

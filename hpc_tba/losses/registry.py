@@ -20,8 +20,17 @@ from typing import Any
 
 from hpc_tba.config import AlgoConfig
 
-BUILTIN = ("tb", "topr", "alol", "grpo", "rloo", "dpo", "sft")
-"""Built-in objectives, each in hpc_tba/losses/objectives/<name>.py."""
+
+def _builtin() -> tuple[str, ...]:
+    import pkgutil
+
+    from hpc_tba.losses import objectives
+
+    return tuple(sorted(m.name for m in pkgutil.iter_modules(objectives.__path__)))
+
+
+BUILTIN = _builtin()
+"""Built-in objectives: the modules of hpc_tba/losses/objectives/ (`<name>.py` registers `name`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,8 +77,12 @@ def register(objective: Objective) -> Objective:
     if not (isinstance(objective.config, type) and issubclass(objective.config, AlgoConfig)
             and dataclasses.is_dataclass(objective.config)):
         raise TypeError(f"objective {objective.name!r}: config must be a dataclass subclassing AlgoConfig")
+    where = f"{objective.config.__module__}.{objective.config.__qualname__}"
+    if objective.name in BUILTIN and not where.startswith(f"hpc_tba.losses.objectives.{objective.name}."):
+        raise ValueError(f"objective {objective.name!r} is already registered: it is built in "
+                         f"(hpc_tba/losses/objectives/{objective.name}.py), not {where}")
     old = _REGISTRY.get(objective.name)
-    if old is not None and old.config.__qualname__ != objective.config.__qualname__:
+    if old is not None and f"{old.config.__module__}.{old.config.__qualname__}" != where:
         raise ValueError(f"objective {objective.name!r} is already registered by {old.config.__module__}")
     _REGISTRY[objective.name] = objective
     return objective
