@@ -10,7 +10,9 @@ receive only their own dataclass.
 
 More config directories: HPC_TBA_CONFIG_PATH, directories separated by `os.pathsep`, is added to
 Hydra's search path after `configs/`, so a plugin's `algo/<name>.yaml` there is found by
-`algo=<name>` (a name in `configs/` wins).
+`algo=<name>` (a name in `configs/` wins). Every rank composes its own config, so the variable
+(and a PYTHONPATH that imports the plugin's `algo.module`) must reach the ranks' environment, as
+mpiexec and srun pass it on by default.
 
 Then `fit_run` resolves what depends on more than one component, so every entry point (train,
 plan, eval, preprocess, tests composing a config) sees the same resolved values and the run's
