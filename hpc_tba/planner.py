@@ -44,6 +44,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from hpc_tba.losses.registry import needs
 from hpc_tba.memory import (
     DTYPE_BYTES,
     KNOWN_MODELS,
@@ -128,8 +129,6 @@ def _model_states(plan: Plan, cfg: RunConfig, spec: ModelSpec, n: int) -> float:
     total += plan.row("optimizer states (sharded)", ob * p / n * (not lr.offload_optimizer),
                       host if lr.offload_optimizer else "", key="optimizer")
     plan.model_states_gib = total / GiB
-    from hpc_tba.losses.registry import needs
-
     if needs(cfg.algo).reference:
         total += plan.row(f"frozen reference for {cfg.algo.name} (sharded)",
                           pb * p / n * (not lr.offload_params), key="reference")
