@@ -18,7 +18,7 @@ USAGE = "usage: hpc-tba {train,plan,eval,preprocess,report,status} [-v] [hydra o
 
 
 def train(overrides: list[str], *, verbose: bool = False) -> int:
-    from hpc_tba.config import compose
+    from hpc_tba.assembly.compose import compose
     from hpc_tba.console import LAUNCHER_ENV, VERBOSE_ENV, captured, log_dir
     from hpc_tba.launcher.local import find_mpiexec, mpiexec_launch
     from hpc_tba.models.tiny import resolve_model_path
@@ -84,7 +84,7 @@ def job_result(run_dir: str, code: int) -> int:
 def preprocess(overrides: list[str]) -> int:
     """`hpc-tba preprocess task=offline task.path=FILE`: behaviour/reference log-probs and A-LoL
     advantages under the starting policy, written next to the data (see roles/offline.py)."""
-    from hpc_tba.config import compose
+    from hpc_tba.assembly.compose import compose
     from hpc_tba.models.tiny import resolve_model_path
     from hpc_tba.roles.offline import preprocess_file
 

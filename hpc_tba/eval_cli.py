@@ -37,7 +37,8 @@ from pathlib import Path
 
 import numpy as np
 
-from hpc_tba.config import ConfigError, RunConfig, compose
+from hpc_tba.assembly.compose import compose
+from hpc_tba.config import ConfigError, RunConfig
 from hpc_tba.tasks.base import Prompt, Task
 
 

@@ -80,7 +80,7 @@ def _check(plan: Plan, label: str, planned, actual, unit: str = "") -> None:
 
 def _manifest(plan: Plan, cfg: RunConfig, model) -> object:
     from hpc_tba.comm.weight_sync import Manifest, WeightSender
-    from hpc_tba.roles.config import resolve_wire_dtype
+    from hpc_tba.config import resolve_wire_dtype
 
     lr = dataclasses.replace(cfg.learner, sync_wire_dtype=resolve_wire_dtype(cfg.learner, cfg.searcher))
     # the learner's call (roles/learner.py), on the meta parameters

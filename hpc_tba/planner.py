@@ -8,7 +8,8 @@ cannot fit, naming the term that does not.
 Learner, per rank, ZeRO-3 over N learner ranks (P parameters, bytes per parameter in brackets):
   parameters [2 bf16 | 4 fp32] P/N, gradients [same] P/N, optimizer [12 bf16: fp32 master + Adam
   m, v | 8 fp32: m, v] P/N (`learner.offload_optimizer` / `offload_params` move them to host
-  memory), a frozen reference [2|4] P/N when the loss needs one (`LossConfig.needs_reference`;
+  memory), a frozen reference [2|4] P/N when the loss needs one (its registration,
+  `losses.registry.needs(cfg.algo).reference`;
   its forward runs without gradients, before the policy's, so only its shards add up), gathered
   layers (the live layer, the prefetched one and the live layer's full gradient: 3 x largest
   layer), ZeRO-3's flat gradient reduce bucket (reduce_bucket_size elements, at most P), the
@@ -43,6 +44,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from hpc_tba.losses.registry import needs
 from hpc_tba.memory import (
     DTYPE_BYTES,
     KNOWN_MODELS,
@@ -88,8 +90,8 @@ def model_spec(cfg: RunConfig, arch: str | None = None) -> ModelSpec:
 
 def _embedded_spec(cfg: RunConfig) -> ModelSpec:
     """The tiny char-level Llama: its config.json once built, else the recipe of models.tiny."""
+    from hpc_tba.config import TaskConfig
     from hpc_tba.models import tiny
-    from hpc_tba.tasks import TaskConfig
 
     m = cfg.model
     built = tiny.embedded_model_dir(m, cfg.task if cfg.task.name == "arithmetic" else TaskConfig())
@@ -127,7 +129,7 @@ def _model_states(plan: Plan, cfg: RunConfig, spec: ModelSpec, n: int) -> float:
     total += plan.row("optimizer states (sharded)", ob * p / n * (not lr.offload_optimizer),
                       host if lr.offload_optimizer else "", key="optimizer")
     plan.model_states_gib = total / GiB
-    if cfg.algo.needs_reference:
+    if needs(cfg.algo).reference:
         total += plan.row(f"frozen reference for {cfg.algo.name} (sharded)",
                           pb * p / n * (not lr.offload_params), key="reference")
     else:
@@ -286,7 +288,7 @@ def _engine(plan: Plan, cfg: RunConfig, spec: ModelSpec, gpus: int) -> None:
 
 
 def _wire(cfg: RunConfig) -> str:
-    from hpc_tba.roles.config import resolve_wire_dtype
+    from hpc_tba.config import resolve_wire_dtype
 
     return resolve_wire_dtype(cfg.learner, cfg.searcher)
 
@@ -393,7 +395,8 @@ _MOVED = {"--micro-batch": "learner.micro_batch_size=N",
 def plan_main(argv: list[str]) -> int:
     """`hpc-tba plan <overrides> [--arch A] [--dry-run] [--no-deepspeed]`: 0 fits, 1 refused,
     2 the config or an option is wrong. Memory settings are config overrides (learner.*)."""
-    from hpc_tba.config import ConfigError, compose
+    from hpc_tba.assembly.compose import compose
+    from hpc_tba.config import ConfigError
 
     try:
         overrides, opt = _parse(list(argv))

@@ -75,7 +75,8 @@ def fail(run_dir: str | None, rank: int, e: BaseException) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from hpc_tba.config import ConfigError, compose
+    from hpc_tba.assembly.compose import compose
+    from hpc_tba.config import ConfigError
     from hpc_tba.console import rank_from_environ, setup_rank_output
 
     argv = sys.argv[1:] if argv is None else argv

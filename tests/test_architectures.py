@@ -40,8 +40,8 @@ def _zero3_worker(rank, world, port, paths, out):
     import deepspeed
     from transformers import AutoModelForCausalLM
 
+    from hpc_tba.config import LearnerConfig
     from hpc_tba.models.loading import load_causal_lm
-    from hpc_tba.roles.config import LearnerConfig
     from hpc_tba.roles.learner import deepspeed_config
 
     gloo_deepspeed(rank, world, port)
@@ -115,8 +115,8 @@ def _reload_scores(path: str, reloads: list) -> list:
 
 
 def _reload_scores_here(path: str, reloads: list) -> list:
+    from hpc_tba.config import SearcherConfig
     from hpc_tba.engine.vllm_engine import VLLMEngine, configure_cpu_env
-    from hpc_tba.roles.config import SearcherConfig
 
     configure_cpu_env(core=None, kv_cache_mb=64)
     engine = VLLMEngine(path, SearcherConfig(max_new_tokens=8), seed=0)

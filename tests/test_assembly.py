@@ -10,9 +10,9 @@ import types
 import pytest
 import torch
 
+from hpc_tba.assembly.compose import compose
 from hpc_tba.assembly.engines import engine_device
 from hpc_tba.assembly.rank import cores_for_rank, setup_rank
-from hpc_tba.config import compose
 from hpc_tba.launcher import slurm, submit
 from hpc_tba.launcher.local import mpiexec_launch, rank_command
 from hpc_tba.planner import make_plan

@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 from buffer_helpers import contents, make_batch, per_prompt, random_batch
 
-from hpc_tba.buffer import BufferConfig, BufferShard
+from hpc_tba.buffer import BufferShard
 from hpc_tba.buffer.log import read_manifest, shard_dir
 from hpc_tba.buffer.segments import FILE_HEAD, encode_traj, read_segment
+from hpc_tba.config import BufferConfig
 
 
 def _cfg(**kw) -> BufferConfig:
@@ -155,7 +156,8 @@ def test_torn_tail_is_dropped_counted_and_appends_continue(tmp_path, damage):
 CHILD = textwrap.dedent("""
     import json, os, sys, time
     import numpy as np
-    from hpc_tba.buffer import BufferConfig, BufferShard
+    from hpc_tba.buffer import BufferShard
+    from hpc_tba.config import BufferConfig
     from hpc_tba.buffer.log import shard_dir
     from hpc_tba.buffer.segments import TrajRecord, encode_traj
     sys.path.insert(0, os.path.dirname({test!r}))

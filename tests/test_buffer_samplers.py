@@ -13,8 +13,9 @@ from buffer_helpers import make_batch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hpc_tba.buffer import BufferConfig, BufferShard
+from hpc_tba.buffer import BufferShard
 from hpc_tba.buffer.samplers import choose_rows
+from hpc_tba.config import BufferConfig
 
 DRAWS = 3000
 

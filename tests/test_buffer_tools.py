@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from buffer_helpers import contents, random_batch
 
-from hpc_tba.buffer import BufferConfig, BufferShard
+from hpc_tba.buffer import BufferShard
+from hpc_tba.config import BufferConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -57,7 +58,7 @@ def test_bench_prints_its_figures():
 @pytest.mark.parametrize("name", ["tba", "tldr", "redteam", "alol", "uniform"])
 def test_buffer_yaml_composes_to_the_dataclass(name):
     pytest.importorskip("hydra")
-    from hpc_tba.config import compose
+    from hpc_tba.assembly.compose import compose
 
     cfg = compose([f"buffer={name}"]).buffer
     assert isinstance(cfg, BufferConfig)

@@ -126,7 +126,7 @@ def _engine(seed: int):
     import deepspeed
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from hpc_tba.roles.config import LearnerConfig
+    from hpc_tba.config import LearnerConfig
     from hpc_tba.roles.learner import deepspeed_config
 
     torch.manual_seed(seed)

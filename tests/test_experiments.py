@@ -274,7 +274,7 @@ def test_every_arm_of_every_experiment_composes():
     """Each arm's overrides (placeholders filled) are a valid hpc-tba configuration."""
     from experiments.definitions import EXPERIMENTS
 
-    from hpc_tba.config import compose
+    from hpc_tba.assembly.compose import compose
 
     for exp in EXPERIMENTS.values():
         names = {f for o in (*exp.common, *exp.eval_overrides, *(o for a in exp.arms for o in a.overrides))

@@ -27,8 +27,8 @@ def _worker(rank, world, port, src, out_dir, out):
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
     from hpc_tba import checkpoint
+    from hpc_tba.config import LearnerConfig
     from hpc_tba.models.loading import load_causal_lm
-    from hpc_tba.roles.config import LearnerConfig
     from hpc_tba.roles.learner import deepspeed_config
 
     gloo_deepspeed(rank, world, port)
@@ -63,9 +63,8 @@ def _worker(rank, world, port, src, out_dir, out):
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    from hpc_tba.models.config import ModelConfig
+    from hpc_tba.config import ModelConfig, TaskConfig
     from hpc_tba.models.tiny import resolve_model_path
-    from hpc_tba.tasks import TaskConfig
 
     src = resolve_model_path(ModelConfig(), TaskConfig())
     out_dir = str(tmp_path_factory.mktemp("export") / "final_model")
@@ -122,8 +121,8 @@ def test_export_loads_with_transformers_from_pretrained(exported):
 def test_export_loads_in_vllm(exported):
     from transformers import AutoModelForCausalLM
 
+    from hpc_tba.config import SearcherConfig
     from hpc_tba.engine.vllm_engine import VLLMEngine, configure_cpu_env
-    from hpc_tba.roles.config import SearcherConfig
 
     _, out_dir, _ = exported
     prompt, response = [1, 5, 9, 12, 7], [3, 8, 2, 6]

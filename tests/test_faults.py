@@ -77,7 +77,7 @@ def test_nonfinite_losses_are_skipped_then_abort_after_n_in_a_row():
     import pytest
     import torch
 
-    from hpc_tba.roles.config import LearnerConfig
+    from hpc_tba.config import LearnerConfig
     from hpc_tba.roles.learner import Learner
 
     state = types.SimpleNamespace(cfg=LearnerConfig(max_nonfinite_steps=2), step=0,

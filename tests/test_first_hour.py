@@ -39,7 +39,7 @@ def broken_config(tmp_path):
 
 @pytest.fixture
 def missing_weights(tmp_path):
-    from hpc_tba.config import compose
+    from hpc_tba.assembly.compose import compose
     from hpc_tba.models.tiny import resolve_model_path
 
     cfg = compose([])

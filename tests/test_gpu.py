@@ -177,9 +177,8 @@ def test_weight_sync_with_device_tensors(tmp_path, backend):
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> str:
     """The embedded tiny Llama, built here (tokenizer, weights, a short warm start)."""
-    from hpc_tba.models.config import ModelConfig
+    from hpc_tba.config import ModelConfig, TaskConfig
     from hpc_tba.models.tiny import ensure_embedded_model
-    from hpc_tba.tasks import TaskConfig
 
     cache = tmp_path_factory.mktemp("models")
     model = ModelConfig(cache_dir=str(cache), sft_steps=30, warm_start_band=[])  # 30 steps, no band
@@ -191,7 +190,8 @@ def _trajectories(path: str, *, prompts: int = 4, k: int = 4):
     import numpy as np
     from transformers import AutoTokenizer
 
-    from hpc_tba.tasks import TaskConfig, build_task
+    from hpc_tba.config import TaskConfig
+    from hpc_tba.tasks import build_task
 
     tok, task = AutoTokenizer.from_pretrained(path), build_task(TaskConfig())
     prompt_ids, response_ids, texts, group = [], [], [], []
@@ -208,8 +208,8 @@ def _trajectories(path: str, *, prompts: int = 4, k: int = 4):
 
 
 def _engine(path: str, deepspeed, *, lr: float):
+    from hpc_tba.config import LearnerConfig
     from hpc_tba.models.loading import load_causal_lm
-    from hpc_tba.roles.config import LearnerConfig
     from hpc_tba.roles.learner import deepspeed_config
 
     cfg = LearnerConfig(dtype="bf16", lr=lr, warmup_steps=1)
@@ -224,7 +224,7 @@ def _engine(path: str, deepspeed, *, lr: float):
 def _train(engine, batch, loss_name: str, steps: int, device) -> dict[str, list[float]]:
     """`steps` updates on one batch: the losses, and the mean sequence log-prob of the rewarded
     responses minus that of the others, before and after."""
-    from hpc_tba.losses import LossConfig, LossInputs, compute_loss
+    from hpc_tba.losses import LossInputs, compute_loss, make_config
     from hpc_tba.roles.policy import pack, response_logprobs
 
     prompts, responses, rewards, groups, pad = batch
@@ -232,7 +232,7 @@ def _train(engine, batch, loss_name: str, steps: int, device) -> dict[str, list[
     packed = dataclasses.replace(packed, **{f.name: getattr(packed, f.name).to(device)
                                             for f in dataclasses.fields(packed)})
     rewards, groups = rewards.to(device), groups.to(device)
-    cfg = LossConfig(name=loss_name, **({"kl_coef": 0.04} if loss_name == "grpo" else {}))
+    cfg = make_config(name=loss_name, **({"kl_coef": 0.04} if loss_name == "grpo" else {}))
     def margin(logp: torch.Tensor) -> float:
         seq = logp.sum(-1)  # [B] padding positions are 0
         return float(seq[rewards > 0.5].mean() - seq[rewards <= 0.5].mean())

@@ -25,9 +25,8 @@ MAX_NEW = 40
 
 @pytest.fixture(scope="module")
 def model_path() -> str:
-    from hpc_tba.models.config import ModelConfig
+    from hpc_tba.config import ModelConfig, TaskConfig
     from hpc_tba.models.tiny import resolve_model_path
-    from hpc_tba.tasks import TaskConfig
 
     return resolve_model_path(ModelConfig(), TaskConfig())
 
@@ -81,10 +80,10 @@ class _Transport(InProcessTransport):
 
 
 def _searcher(tmp_path, model_path, receiver, **overrides):
+    from hpc_tba.config import SearcherConfig, TaskConfig
     from hpc_tba.engine.vllm_engine import VLLMEngine, configure_cpu_env
-    from hpc_tba.roles.config import SearcherConfig
     from hpc_tba.roles.searcher import Searcher
-    from hpc_tba.tasks import TaskConfig, build_task
+    from hpc_tba.tasks import build_task
     from hpc_tba.topology import Topology
 
     configure_cpu_env(core=None, kv_cache_mb=64)

@@ -12,8 +12,8 @@ import types
 
 import pytest
 
+from hpc_tba.assembly.compose import compose
 from hpc_tba.assembly.inprocess import InProcessError, check_config, run_in_process, run_ranks
-from hpc_tba.config import compose
 from hpc_tba.messages import Done, Stop
 
 

@@ -46,9 +46,8 @@ class _Group:
 
 def _learner(tmp: str, loss: str, micro: int, **extra):
     from hpc_tba.buffer import BufferShard
-    from hpc_tba.buffer.config import BufferConfig
-    from hpc_tba.losses import LossConfig
-    from hpc_tba.roles.config import LearnerConfig
+    from hpc_tba.config import BufferConfig, LearnerConfig
+    from hpc_tba.losses import make_config
     from hpc_tba.roles.learner import Learner
     from hpc_tba.topology import Topology
 
@@ -56,7 +55,7 @@ def _learner(tmp: str, loss: str, micro: int, **extra):
                    if not p.endswith(".lock"))[0]
     cfg = LearnerConfig(total_steps=2, prompts_per_step=G, micro_batch_size=micro, lr=1e-3,
                         warmup_steps=1, logprob_chunk_tokens=4, sync_wire_dtype="fp32", **extra)
-    return Learner(cfg=cfg, loss=LossConfig(name=loss), shard=BufferShard(BufferConfig(), directory=None),
+    return Learner(cfg=cfg, loss=make_config(name=loss), shard=BufferShard(BufferConfig(), directory=None),
                    k=K, temperature=0.7, model_path=model, transport=types.SimpleNamespace(rank=0),
                    topo=Topology.build(1, 1, 0, needs_searchers=False), sync_group=None,
                    run_dir=os.path.join(tmp, f"run_{loss}_{micro}_{len(extra)}"))

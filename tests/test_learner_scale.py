@@ -123,7 +123,7 @@ def test_every_nccl_group_gets_the_gloo_timeout(monkeypatch):
 
 # ---------------------------------------------------------------- DeepSpeed options
 def test_memory_options_reach_the_deepspeed_config():
-    from hpc_tba.roles.config import LearnerConfig
+    from hpc_tba.config import LearnerConfig
     from hpc_tba.roles.learner import deepspeed_config
 
     ds = deepspeed_config(LearnerConfig(offload_optimizer=True, offload_params=True), micro_batch=4, train=True)
@@ -138,7 +138,7 @@ def test_memory_options_reach_the_deepspeed_config():
 @pytest.mark.parametrize("option, stage", [("offload_params", 2), ("offload_params", 0), ("offload_optimizer", 0)])
 def test_memory_option_deepspeed_would_ignore_is_refused(option, stage):
     """An offload the ZeRO stage cannot apply is an error naming both fields, not a silent no-op."""
-    from hpc_tba.roles.config import LearnerConfig
+    from hpc_tba.config import LearnerConfig
     from hpc_tba.roles.learner import deepspeed_config
 
     with pytest.raises(ValueError, match=f"learner.{option} needs learner.zero_stage.*got {stage}"):

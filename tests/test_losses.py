@@ -14,17 +14,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hpc_tba.losses import (
-    LossConfig,
     LossInputs,
     alol,
     compute_loss,
     loss_units,
+    make_config,
     tb_advantages,
     token_logprobs,
     topr,
     trajectory_balance,
 )
-from hpc_tba.losses.config import ALGOS
+from hpc_tba.losses.registry import BUILTIN as ALGOS
+from hpc_tba.losses.registry import config_class, needs
 
 NAN, INF = float("nan"), float("inf")
 
@@ -339,7 +340,7 @@ def _inputs(*, with_ref=True, advantages=True, logz=False) -> LossInputs:
 
 @pytest.mark.parametrize("name", ALGOS)
 def test_compute_loss_dispatches_every_algo(name):
-    cfg = LossConfig(name=name)
+    cfg = make_config(name=name)
     x = _inputs()
     loss, m = compute_loss(cfg, x, step=0)
     loss.backward()
@@ -352,26 +353,26 @@ def test_compute_loss_dispatches_every_algo(name):
 
 
 def test_compute_loss_tb_uses_beta_schedule_and_learned_logz():
-    cfg = LossConfig(name="tb", beta0=1.0, beta_final=0.5, beta_steps=10)
+    cfg = make_config(name="tb", beta0=1.0, beta_final=0.5, beta_steps=10)
     x = _inputs()
     _, m = compute_loss(cfg, x, step=5)
     assert m["tb/beta"].item() == pytest.approx(0.75)
     direct, _ = trajectory_balance(x.logp, x.logp_ref, x.mask, x.rewards, x.group_ids, 0.75)
     assert m["loss/tb"].item() == pytest.approx(direct.item())
     with pytest.raises(ValueError, match="logz"):
-        compute_loss(LossConfig(tb_logz="learned"), x, step=0)
+        compute_loss(make_config(tb_logz="learned"), x, step=0)
     xl = _inputs(logz=True)
-    loss, _ = compute_loss(LossConfig(tb_logz="learned"), xl, step=0)
+    loss, _ = compute_loss(make_config(tb_logz="learned"), xl, step=0)
     loss.backward()
     assert xl.logz.grad is not None and xl.logz.grad.abs().sum() > 0
 
 
 def test_compute_loss_matches_the_functions_it_dispatches_to():
     x = _inputs()
-    got, _ = compute_loss(LossConfig(name="topr", topr_neg_max=2.0), x, step=0)
+    got, _ = compute_loss(make_config(name="topr", topr_neg_max=2.0), x, step=0)
     want, _ = topr(x.logp, x.logp_behavior, x.mask, x.rewards, neg_clip=(0.0, 2.0))
     assert got.item() == pytest.approx(want.item())
-    got, _ = compute_loss(LossConfig(name="alol", alol_variant="r_lol"), x, step=0, normalizer=3.0)
+    got, _ = compute_loss(make_config(name="alol", alol_variant="r_lol"), x, step=0, normalizer=3.0)
     want, _ = alol(x.logp, x.logp_ref, x.mask, x.rewards, variant="r_lol", normalizer=3.0)
     assert got.item() == pytest.approx(want.item())
 
@@ -379,65 +380,68 @@ def test_compute_loss_matches_the_functions_it_dispatches_to():
 def test_needs_reference_matches_what_compute_loss_reads():
     expected = {"tb": True, "topr": False, "alol": True, "grpo": False, "rloo": False, "dpo": True,
                 "sft": False}
-    for name, needs in expected.items():
-        cfg = LossConfig(name=name)
-        assert cfg.needs_reference is needs, name
-        if not needs:   # must run without a reference
+    for name, want in expected.items():
+        cfg = make_config(name=name)
+        assert needs(cfg).reference is want, name
+        if not want:   # must run without a reference
             compute_loss(cfg, _inputs(with_ref=False), step=0)
         else:
             with pytest.raises(ValueError, match="logp_ref"):
                 compute_loss(cfg, _inputs(with_ref=False), step=0)
-    assert LossConfig(name="grpo", kl_coef=0.04).needs_reference
-    assert LossConfig(name="rloo", kl_coef=0.1).needs_reference
-    assert not LossConfig(name="alol", alol_variant="ref_free").needs_reference
-    compute_loss(LossConfig(name="alol", alol_variant="ref_free"), _inputs(with_ref=False), step=0)
-    assert LossConfig(name="alol").needs_advantages
-    assert not LossConfig(name="alol", alol_variant="r_lol").needs_advantages
+    assert needs(make_config(name="grpo", kl_coef=0.04)).reference
+    assert needs(make_config(name="rloo", kl_coef=0.1)).reference
+    assert not needs(make_config(name="alol", alol_variant="ref_free")).reference
+    compute_loss(make_config(name="alol", alol_variant="ref_free"), _inputs(with_ref=False), step=0)
+    assert needs(make_config(name="alol")).advantages
+    assert not needs(make_config(name="alol", alol_variant="r_lol")).advantages
     with pytest.raises(ValueError, match="advantages"):
-        compute_loss(LossConfig(name="alol"), _inputs(advantages=False), step=0)
+        compute_loss(make_config(name="alol"), _inputs(advantages=False), step=0)
 
 
 def test_loss_units_counts_rows_or_pairs():
     x = _inputs()
-    assert loss_units(LossConfig(name="tb"), x).item() == 6
-    assert loss_units(LossConfig(name="dpo"), x).item() == 2    # groups 0 and 1 have distinct rewards
+    assert loss_units(make_config(name="tb"), x).item() == 6
+    assert loss_units(make_config(name="dpo"), x).item() == 2    # groups 0 and 1 have distinct rewards
     padded = dataclasses.replace(x, mask=torch.zeros_like(x.mask))
-    assert loss_units(LossConfig(name="grpo"), padded).item() == 0
+    assert loss_units(make_config(name="grpo"), padded).item() == 0
 
 
 @pytest.mark.parametrize("kwargs,match", [
     ({"name": "ppo"}, "algo.name"),
     ({"beta0": 0.0}, "beta0"),
     ({"tb_logz": "table"}, "tb_logz"),
-    ({"topr_neg_min": 2.0}, "topr_neg_min"),
-    ({"alol_variant": "alol"}, "alol_variant"),
-    ({"alol_clip_eps": 1.0}, "alol_clip_eps"),
+    ({"name": "topr", "topr_neg_min": 2.0}, "topr_neg_min"),
+    ({"name": "alol", "alol_variant": "alol"}, "alol_variant"),
+    ({"name": "alol", "alol_clip_eps": 1.0}, "alol_clip_eps"),
     ({"name": "alol", "alol_variant": "kl"}, "alol_kl_beta"),
-    ({"grpo_clip_eps": 0.0}, "grpo_clip_eps"),
-    ({"kl_coef": -1.0}, "kl_coef"),
-    ({"dpo_beta": 0.0}, "dpo_beta"),
-    ({"dpo_pairing": "random"}, "dpo_pairing"),
-    ({"sft_min_reward": NAN}, "sft_min_reward"),
+    ({"name": "grpo", "grpo_clip_eps": 0.0}, "grpo_clip_eps"),
+    ({"name": "grpo", "kl_coef": -1.0}, "kl_coef"),
+    ({"name": "rloo", "kl_coef": -1.0}, "kl_coef"),
+    ({"name": "dpo", "dpo_beta": 0.0}, "dpo_beta"),
+    ({"name": "dpo", "dpo_pairing": "random"}, "dpo_pairing"),
+    ({"name": "sft", "sft_min_reward": NAN}, "sft_min_reward"),
+    ({"reward_map": "pm2"}, "reward_map"),
+    ({"name": "tb", "topr_neg_min": 0.0}, "unknown config key 'algo.topr_neg_min'"),  # another objective's field
 ])
 def test_config_validation_messages(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        LossConfig(**kwargs)
+        make_config(**kwargs)
 
 
 def test_beta_schedule():
-    cfg = LossConfig(beta0=0.012, beta_final=0.004, beta_steps=500)
+    cfg = make_config(beta0=0.012, beta_final=0.004, beta_steps=500)
     assert cfg.beta(0) == pytest.approx(0.012)
     assert cfg.beta(250) == pytest.approx(0.008)
     assert cfg.beta(500) == cfg.beta(10_000) == pytest.approx(0.004)
-    assert LossConfig(beta_steps=0).beta(0) == pytest.approx(0.004)
+    assert make_config(beta_steps=0).beta(0) == pytest.approx(0.004)
 
 
 def test_algo_yamls_mirror_the_dataclass():
-    # Every yaml composes onto LossConfig (unknown keys would fail) and sets its own name.
-    from hpc_tba.config import compose
+    # Every yaml composes onto its objective's config class (unknown keys would fail) and sets its own name.
+    from hpc_tba.assembly.compose import compose
     for name in ALGOS:
         cfg = compose([f"algo={name}"]).algo
-        assert isinstance(cfg, LossConfig) and cfg.name == name
+        assert type(cfg) is config_class(name) and cfg.name == name
     assert compose(["algo=grpo"]).algo.kl_coef == pytest.approx(0.04)
     assert compose(["algo=alol"]).algo.alol_clip_eps == pytest.approx(0.9)
     assert compose(["algo=topr"]).algo.topr_neg_min == 0.0
@@ -468,7 +472,7 @@ def test_losses_run_on_the_meta_device(kwargs):
     x = LossInputs(logp=e(B, T).requires_grad_(), logp_ref=e(B, T), logp_behavior=e(B, T),
                    mask=e(B, T, dtype=torch.bool), rewards=e(B), group_ids=e(B, dtype=torch.long),
                    advantages=e(B), logz=e(B).requires_grad_())
-    cfg = LossConfig(**kwargs)
+    cfg = make_config(**kwargs)
     loss, m = compute_loss(cfg, x, step=3, normalizer=loss_units(cfg, x))
     loss.backward()
     assert loss.device.type == "meta" and loss.shape == ()
@@ -480,7 +484,7 @@ def test_loss_sources_hold_no_collectives_or_item():
     import pathlib
 
     import hpc_tba.losses as pkg
-    for path in pathlib.Path(pkg.__file__).parent.glob("*.py"):
+    for path in pathlib.Path(pkg.__file__).parent.rglob("*.py"):  # objectives/ too
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.Attribute):
@@ -495,7 +499,7 @@ def test_bfloat16_log_probs_are_summed_in_float32():
     lp16 = x.logp.detach().to(torch.bfloat16).requires_grad_()
     x16 = dataclasses.replace(x, logp=lp16)
     for name in ALGOS:
-        l32, _ = compute_loss(LossConfig(name=name), dataclasses.replace(x, logp=lp16.detach().float()), step=0)
-        l16, _ = compute_loss(LossConfig(name=name), x16, step=0)
+        l32, _ = compute_loss(make_config(name=name), dataclasses.replace(x, logp=lp16.detach().float()), step=0)
+        l16, _ = compute_loss(make_config(name=name), x16, step=0)
         assert l16.dtype == torch.float32
         assert l16.item() == pytest.approx(l32.item(), rel=1e-5, abs=1e-6), name

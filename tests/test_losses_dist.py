@@ -16,10 +16,10 @@ from conftest import gloo_group, spawn_ranks
 
 from hpc_tba.comm.groups import free_ports
 from hpc_tba.losses import (
-    LossConfig,
     LossInputs,
     compute_loss,
     loss_units,
+    make_config,
     token_logprobs,
 )
 
@@ -72,7 +72,7 @@ def _grads(case: str, rows: torch.Tensor | None, all_reduce=None, *, naive: bool
     b, (w, z) = _batch(), _params()
     if rows is not None:
         b = {k: v[rows] for k, v in b.items()}
-    cfg = LossConfig(**CASES[case])
+    cfg = make_config(**CASES[case])
     x = LossInputs(logp=token_logprobs(b["feats"] @ w, b["tokens"], temperature=0.7),
                    logp_ref=b["logp_ref"], logp_behavior=b["logp_behavior"], mask=b["mask"],
                    rewards=b["rewards"], group_ids=b["gid"], advantages=b["adv"], logz=z[b["gid"]])

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hpc_tba.tasks import TaskConfig
+from hpc_tba.config import TaskConfig
 from hpc_tba.tasks.base import Prompt, Task
 from hpc_tba.tasks.math import GSM8KTask
 from hpc_tba.tasks.metrics import (

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from conftest import gloo_group, spawn_ranks
 
 from hpc_tba.comm.groups import free_ports
-from hpc_tba.losses import LossConfig, LossInputs, compute_loss, loss_units
+from hpc_tba.losses import LossInputs, compute_loss, loss_units, make_config
 from hpc_tba.roles import microbatch
 from hpc_tba.roles.policy import pack, response_logprobs
 
@@ -75,7 +75,7 @@ def _grads(case: str, rows, *, micro: int | None, reduce_max=None, all_reduce=No
     """Flat gradient on `rows` (one batch when micro is None, else accumulated micro-batches)."""
     d, model = _data(), _model()
     rows = np.asarray(rows)
-    cfg = LossConfig(**CASES[case])
+    cfg = make_config(**CASES[case])
     packed = pack([d["prompts"][i] for i in rows], [d["responses"][i] for i in rows], pad_id=0)
     x = _inputs(d, rows, packed)
     units = loss_units(cfg, x)
@@ -173,7 +173,7 @@ def test_agreed_plans_run_the_same_forwards_on_every_rank():
     a = microbatch.plan(np.array([4, 3, 5, 2]), np.array([0, 0, 1, 1]), 4)
     b = microbatch.plan(np.array([4, 3, 5, 2]), np.array([0, 0, 1, 1]), 2)
     assert not a.split and not b.split and (len(a.rows), len(b.rows)) == (1, 2)
-    tb = LossConfig(**CASES["tb"])
+    tb = make_config(**CASES["tb"])
     agreed = _agree_on_ranks([a, b])
     forwards = [len(p.rows) * (2 if microbatch.needs_context(tb, p) else 1) for p in agreed]
     assert forwards[0] == forwards[1] == 4, forwards  # 2 micro-batches, each with the context pass

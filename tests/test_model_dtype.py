@@ -18,8 +18,8 @@ def _worker(rank, world, port, path, fp16_supported, out):
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
+    from hpc_tba.config import LearnerConfig
     from hpc_tba.models.loading import load_causal_lm
-    from hpc_tba.roles.config import LearnerConfig
     from hpc_tba.roles.learner import deepspeed_config
 
     acc = get_accelerator()
@@ -37,9 +37,8 @@ def _worker(rank, world, port, path, fp16_supported, out):
 
 @pytest.mark.parametrize("fp16_supported", [False, True], ids=["no-fp16-accelerator", "fp16-accelerator"])
 def test_every_parameter_has_the_configured_dtype_on_every_rank(fp16_supported):
-    from hpc_tba.models.config import ModelConfig
+    from hpc_tba.config import ModelConfig, TaskConfig
     from hpc_tba.models.tiny import resolve_model_path
-    from hpc_tba.tasks import TaskConfig
 
     path = resolve_model_path(ModelConfig(), TaskConfig())
     out = mp.Manager().dict()

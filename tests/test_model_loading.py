@@ -11,8 +11,8 @@ def _worker(rank, world, port, path, out):
     import deepspeed
     from transformers import AutoModelForCausalLM
 
+    from hpc_tba.config import LearnerConfig
     from hpc_tba.models.loading import load_causal_lm
-    from hpc_tba.roles.config import LearnerConfig
     from hpc_tba.roles.learner import deepspeed_config
 
     gloo_deepspeed(rank, world, port)
@@ -28,9 +28,8 @@ def _worker(rank, world, port, path, out):
 
 
 def test_zero3_load_equals_from_pretrained():
-    from hpc_tba.models.config import ModelConfig
+    from hpc_tba.config import ModelConfig, TaskConfig
     from hpc_tba.models.tiny import resolve_model_path
-    from hpc_tba.tasks import TaskConfig
 
     path = resolve_model_path(ModelConfig(), TaskConfig())
     with socket.socket() as s:

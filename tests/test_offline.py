@@ -168,7 +168,7 @@ def test_parquet_offline(tmp_path: Path) -> None:
 
 
 def test_offline_task_from_config(tmp_path: Path) -> None:
-    from hpc_tba.config import compose
+    from hpc_tba.assembly.compose import compose
     from hpc_tba.tasks import build_task
 
     write(tmp_path / "train.jsonl", ROWS + [{"prompt": "1+1=", "response": "two", "reward": 1}])

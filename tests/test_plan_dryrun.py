@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from hpc_tba.config import compose
+from hpc_tba.assembly.compose import compose
 from hpc_tba.planner import PlanOptions, make_plan, plan_main
 
 DRY = PlanOptions(deepspeed=False, dry_run=True)

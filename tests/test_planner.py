@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from hpc_tba.config import compose
+from hpc_tba.assembly.compose import compose
 from hpc_tba.memory import spec_from_hf_config
 from hpc_tba.planner import KNOWN_MODELS, PlanOptions, make_plan, model_spec, plan_main
 

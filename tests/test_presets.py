@@ -12,7 +12,7 @@ import sys
 import pytest
 from conftest import HPC_TBA
 
-from hpc_tba.config import compose
+from hpc_tba.assembly.compose import compose
 from hpc_tba.models.stand_ins import build_reward_model, build_stand_in
 from hpc_tba.planner import PlanOptions, make_plan
 
@@ -50,7 +50,7 @@ TASK_FIELDS = {"tba_8b": "chat_template", "tba_70b": "chat_template", "topr_offl
 def _needs_task_fields(preset: str) -> None:
     import dataclasses
 
-    from hpc_tba.tasks import TaskConfig
+    from hpc_tba.config import TaskConfig
 
     field = TASK_FIELDS.get(preset)
     if field and field not in {f.name for f in dataclasses.fields(TaskConfig)}:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from conftest import HPC_TBA
 
-from hpc_tba.config import compose
+from hpc_tba.assembly.compose import compose
 from hpc_tba.tasks import build_task, redteam_toy
 from hpc_tba.tasks.preference import reward_placement
 

@@ -86,7 +86,8 @@ def test_sigkill_then_resume_auto_loses_nothing(tmp_path):
 
 
 def _live_pairs_of(run_dir):
-    from hpc_tba.buffer import BufferConfig, BufferShard
+    from hpc_tba.buffer import BufferShard
+    from hpc_tba.config import BufferConfig
 
     return _live_pairs(BufferShard.load(os.path.join(run_dir, "buffer"), BufferConfig(warm_start=0)))
 

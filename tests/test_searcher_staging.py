@@ -49,9 +49,9 @@ class _Receiver:
 
 
 def _searcher(tmp_path, receiver, engines):
-    from hpc_tba.roles.config import SearcherConfig
+    from hpc_tba.config import SearcherConfig, TaskConfig
     from hpc_tba.roles.searcher import Searcher
-    from hpc_tba.tasks import TaskConfig, build_task
+    from hpc_tba.tasks import build_task
     from hpc_tba.topology import Topology
 
     s = Searcher(cfg=SearcherConfig(), task=build_task(TaskConfig()), engine=engines.pop(0),
@@ -83,7 +83,7 @@ def test_rebuilt_engine_without_a_whole_version_waits_for_the_next(tmp_path):
 
 
 def test_config_refuses_stream_staging_out_of_process_and_bad_span():
-    from hpc_tba.roles.config import SearcherConfig
+    from hpc_tba.config import SearcherConfig
 
     with pytest.raises(ValueError, match="staging=stream"):
         SearcherConfig(staging="stream", engine_process=True)

@@ -15,7 +15,7 @@ from pathlib import Path
 import local_slurm
 import pytest
 
-from hpc_tba.config import compose
+from hpc_tba.assembly.compose import compose
 from hpc_tba.launcher.slurm import sbatch_script
 
 pytestmark = [pytest.mark.slurm, pytest.mark.mpi]
@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 PROBE = textwrap.dedent("""
     import json, os, sys
     from mpi4py import MPI
-    from hpc_tba.config import compose
+    from hpc_tba.assembly.compose import compose
     from hpc_tba.launcher.slurm import SlurmEnv, check_placement
     from hpc_tba.topology import Topology
     comm = MPI.COMM_WORLD

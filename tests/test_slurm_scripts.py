@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hpc_tba.config import compose
+from hpc_tba.assembly.compose import compose
 from hpc_tba.launcher import slurm
 from hpc_tba.topology import LayoutError, Topology
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from hpc_tba.config import compose
+from hpc_tba.assembly.compose import compose
 from hpc_tba.launcher import slurm, submit
 
 REPO = Path(__file__).resolve().parents[1]

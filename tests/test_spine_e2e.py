@@ -60,7 +60,8 @@ def test_searchers_receive_weights_that_match_the_learner(run):
 
 def test_every_sample_carries_the_version_that_produced_it(run):
     run_dir, _, _ = run
-    from hpc_tba.buffer import BufferConfig, BufferShard
+    from hpc_tba.buffer import BufferShard
+    from hpc_tba.config import BufferConfig
 
     shard = BufferShard.load(str(run_dir / "buffer"), BufferConfig(warm_start=0))
     batch = shard.sample(len(shard.store.prompts), 1, learner_version=STEPS)

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from conftest import HPC_TBA
 
-from hpc_tba.config import ConfigError, compose
+from hpc_tba.assembly.compose import compose
+from hpc_tba.config import ConfigError
 from hpc_tba.messages import SampledBatch, TrajectoryBatch
 from hpc_tba.roles.logging import Timers
 from hpc_tba.topology import Topology
@@ -152,7 +153,7 @@ class _Tokenizer:
 
 
 def _searcher(tmp_path, quota=None):
-    from hpc_tba.roles.config import SearcherConfig
+    from hpc_tba.config import SearcherConfig
     from hpc_tba.roles.searcher import Searcher
     from hpc_tba.tasks import build_task
 

@@ -4,9 +4,9 @@ import json
 import numpy as np
 import pytest
 
+from hpc_tba.config import TaskConfig
 from hpc_tba.tasks import build_task
 from hpc_tba.tasks.chat import PromptFormatter, ensure_pad_token, tokenizer_adds_bos
-from hpc_tba.tasks.config import TaskConfig
 
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n"
             "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
@@ -71,7 +71,7 @@ def test_chat_template_auto_off_and_missing(tmp_path):
 
 
 def test_chat_template_from_the_config(tmp_path):
-    from hpc_tba.config import compose
+    from hpc_tba.assembly.compose import compose
 
     _gsm8k(tmp_path)
     cfg = compose(["task=gsm8k", f"task.path={tmp_path}", "task.chat_template=true"])

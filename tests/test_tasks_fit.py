@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from hpc_tba.config import ConfigError, compose
+from hpc_tba.assembly.compose import compose
+from hpc_tba.config import ConfigError
 from hpc_tba.losses.dispatch import LossInputs, compute_loss
 
 

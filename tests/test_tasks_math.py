@@ -5,7 +5,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hpc_tba.tasks import TASKS, TaskConfig, build_task
+from hpc_tba.config import TaskConfig
+from hpc_tba.tasks import TASKS, build_task
 from hpc_tba.tasks.math import GSM8KTask, MathTask
 from hpc_tba.tasks.records import DataError
 
@@ -171,7 +172,8 @@ def test_parquet_hf_shards(tmp_path: Path) -> None:
 
 
 def test_hydra_group_composes(gsm8k_dir: Path) -> None:
-    from hpc_tba.config import ConfigError, compose
+    from hpc_tba.assembly.compose import compose
+    from hpc_tba.config import ConfigError
 
     cfg = compose(["task=gsm8k", f"task.path={gsm8k_dir}", "task.max_prompts=2"])
     assert cfg.task.name == "gsm8k" and cfg.task.prompt_template == TEMPLATE.format(q="{question}")

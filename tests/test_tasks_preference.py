@@ -12,7 +12,8 @@ import pytest
 import torch
 import transformers
 
-from hpc_tba.tasks import TaskConfig, build_task
+from hpc_tba.config import TaskConfig
+from hpc_tba.tasks import build_task
 from hpc_tba.tasks.base import Prompt
 from hpc_tba.tasks.preference import PreferenceTask, RewardModel
 from hpc_tba.tasks.redteam import HFVictim, RedTeamTask
@@ -161,7 +162,8 @@ def test_redteam_broken_victim_is_counted(classifier_dir: Path, tmp_path: Path) 
 
 
 def test_yaml_groups_compose() -> None:
-    from hpc_tba.config import ConfigError, compose
+    from hpc_tba.assembly.compose import compose
+    from hpc_tba.config import ConfigError
 
     cfg = compose(["task=redteam", "task.path=d", "task.reward_model=c", "task.victim_model=v"])
     task = cfg.task

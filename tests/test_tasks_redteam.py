@@ -4,8 +4,8 @@ import math
 import numpy as np
 import pytest
 
+from hpc_tba.config import TaskConfig
 from hpc_tba.tasks.base import Prompt
-from hpc_tba.tasks.config import TaskConfig
 from hpc_tba.tasks.redteam import RedTeamTask
 
 

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 from buffer_helpers import make_batch
 
-from hpc_tba.buffer import BufferConfig, BufferShard
+from hpc_tba.buffer import BufferShard
 from hpc_tba.buffer.log import live_frames
+from hpc_tba.config import BufferConfig
 from hpc_tba.messages import SampledBatch, TrajectoryBatch
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from hpc_tba.launcher.config import ClusterConfig
+from hpc_tba.config import ClusterConfig
 from hpc_tba.topology import LayoutError, Role, Topology
 
 

@@ -9,7 +9,8 @@ import subprocess
 import pytest
 from conftest import HPC_TBA
 
-from hpc_tba.buffer import BufferConfig, BufferShard
+from hpc_tba.buffer import BufferShard
+from hpc_tba.config import BufferConfig
 
 COMMON = ["cluster.num_learners=2", "cluster.num_searchers=2", "learner.sync_every=2",
           "learner.eval_every=0", "buffer.warm_start=24", "learner.prompts_per_step=2",

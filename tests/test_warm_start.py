@@ -3,10 +3,9 @@ import json
 
 import pytest
 
-from hpc_tba.config import ConfigError
+from hpc_tba.config import ConfigError, ModelConfig, TaskConfig
 from hpc_tba.models import tiny
-from hpc_tba.models.config import ModelConfig
-from hpc_tba.tasks import TaskConfig, build_task
+from hpc_tba.tasks import build_task
 
 
 def test_warm_start_stops_inside_the_band_measured_on_the_held_out_prompts(tmp_path):

@@ -166,7 +166,7 @@ def calibrate(results: dict, cfg: dict, measured_ratio: float,
 
 
 def run_config(overrides: list[str]) -> dict:
-    from hpc_tba.config import compose
+    from hpc_tba.assembly.compose import compose
 
     c = compose(overrides)
     return {"samples_per_prompt": c.searcher.samples_per_prompt, "k": c.searcher.k,

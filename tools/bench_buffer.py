@@ -24,7 +24,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from hpc_tba.buffer import BufferConfig, BufferShard
+from hpc_tba.buffer import BufferShard
+from hpc_tba.config import BufferConfig
 from hpc_tba.messages import TrajectoryBatch
 
 

@@ -125,10 +125,10 @@ def run_mode(update: str, args, path: str, port: int) -> dict:
     from safetensors.torch import load_file
 
     from hpc_tba.comm.weight_sync import FLAG_STOP, Manifest, WeightReceiver, staging_bytes
+    from hpc_tba.config import SearcherConfig, TaskConfig
     from hpc_tba.engine.vllm_engine import VLLMEngine
-    from hpc_tba.roles.config import SearcherConfig
     from hpc_tba.roles.searcher import Searcher
-    from hpc_tba.tasks import TaskConfig, build_task
+    from hpc_tba.tasks import build_task
     from hpc_tba.topology import Topology
 
     cfg = SearcherConfig(update=update, staging=args.staging, max_new_tokens=args.max_new_tokens,
@@ -186,10 +186,9 @@ def main(argv: list[str] | None = None) -> None:
     os.environ["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
 
     from hpc_tba.comm.groups import free_ports
+    from hpc_tba.config import ModelConfig, TaskConfig
     from hpc_tba.engine.vllm_engine import configure_cpu_env
-    from hpc_tba.models.config import ModelConfig
     from hpc_tba.models.tiny import resolve_model_path
-    from hpc_tba.tasks import TaskConfig
 
     path = resolve_model_path(ModelConfig(), TaskConfig())
     configure_cpu_env(core=None, kv_cache_mb=256)

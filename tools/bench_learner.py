@@ -63,9 +63,8 @@ def build_model(size: str) -> str:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from hpc_tba.models.config import ModelConfig
+    from hpc_tba.config import ModelConfig, TaskConfig
     from hpc_tba.models.tiny import resolve_model_path
-    from hpc_tba.tasks import TaskConfig
 
     path = os.path.join(ROOT, size)
     if os.path.isfile(os.path.join(path, "config.json")):
@@ -87,7 +86,7 @@ def build_model(size: str) -> str:
 
 
 def run_config(path: str, *, k: int, micro: int, algo: str, checkpointing: bool):
-    from hpc_tba.config import compose
+    from hpc_tba.assembly.compose import compose
 
     return compose([f"model.path={path}", f"algo={algo}", f"searcher.k={k}", "learner.prompts_per_step=1",
                     f"learner.micro_batch_size={micro}", f"learner.gradient_checkpointing={checkpointing}",
@@ -121,7 +120,7 @@ def _rss(field: str) -> int:
 
 def _ours(cfg, path: str, run_dir: str, *, transport):
     from hpc_tba.buffer import BufferShard
-    from hpc_tba.roles.config import resolve_wire_dtype
+    from hpc_tba.config import resolve_wire_dtype
     from hpc_tba.roles.learner import Learner
     from hpc_tba.topology import Topology
 

@@ -63,12 +63,11 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+    from hpc_tba.config import ModelConfig, SearcherConfig, TaskConfig
     from hpc_tba.engine.vllm_engine import VLLMEngine, configure_cpu_env
     from hpc_tba.messages import TrajectoryBatch
-    from hpc_tba.models.config import ModelConfig
     from hpc_tba.models.tiny import resolve_model_path
-    from hpc_tba.roles.config import SearcherConfig
-    from hpc_tba.tasks import TaskConfig, build_task
+    from hpc_tba.tasks import build_task
     from hpc_tba.topology import Topology
 
     cfg, task_cfg = SearcherConfig(), TaskConfig()

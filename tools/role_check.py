@@ -126,9 +126,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not (args.recording and args.out):
         ap.error("--recording and --out are required (or --record)")
+    from hpc_tba.assembly.compose import compose
     from hpc_tba.assembly.rank import setup_rank
     from hpc_tba.comm.groups import setup_groups
-    from hpc_tba.config import compose
 
     cfg = compose(["cluster.num_learners=1", "cluster.num_searchers=1", f"run_dir={args.out}/run",
                    "learner.prompts_per_step=2", f"searcher.k={RESPONSES - 1}", "learner.micro_batch_size=3",

@@ -35,8 +35,7 @@ def build_learner(cfg: RunConfig, transport, topo: Topology, groups, model_path:
     broadcast to the searchers (manifest, probe, resumed step)."""
     from hpc_tba.buffer import BufferShard
     from hpc_tba.checkpoint import resolve_resume
-    from hpc_tba.config import to_yaml
-    from hpc_tba.roles.config import resolve_wire_dtype
+    from hpc_tba.config import resolve_wire_dtype, to_yaml
     from hpc_tba.roles.learner import Learner
 
     lrank = topo.learner_ranks.index(transport.rank)
@@ -63,13 +62,11 @@ def build_learner(cfg: RunConfig, transport, topo: Topology, groups, model_path:
 def _fill_offline(cfg: RunConfig, shard, model_path: str) -> None:
     from transformers import AutoTokenizer
 
-    from hpc_tba.roles.offline import fill_shard
+    from hpc_tba.roles.offline import fill_shard, required_fields
     from hpc_tba.tasks import build_task
 
-    needs = (["logp_behavior"] if cfg.algo.name == "topr" else []) + (
-        ["advantage"] if cfg.algo.needs_advantages else [])
     fill_shard(shard, build_task(cfg.task, tokenizer=model_path), AutoTokenizer.from_pretrained(model_path),
-               needs=needs, temperature=cfg.searcher.temperature)
+               needs=required_fields(cfg.algo), temperature=cfg.searcher.temperature)
 
 
 def _probe(cfg: RunConfig, model_path: str) -> tuple[list[int], list[int]]:

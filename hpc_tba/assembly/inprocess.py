@@ -146,7 +146,8 @@ def run_in_process(cfg) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from hpc_tba.config import ConfigError, compose
+    from hpc_tba.assembly.compose import compose
+    from hpc_tba.config import ConfigError
     from hpc_tba.roles.report import print_summary
 
     try:

@@ -9,7 +9,6 @@
 With a directory the shard replays its segment log on construction (re-routing prompts if the
 number of shards changed), so the same call resumes a run.
 """
-from hpc_tba.buffer.config import BufferConfig
 from hpc_tba.buffer.shard import BufferShard, staleness_histogram, staleness_lags
 
-__all__ = ["BufferConfig", "BufferShard", "staleness_histogram", "staleness_lags"]
+__all__ = ["BufferShard", "staleness_histogram", "staleness_lags"]

@@ -43,7 +43,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from hpc_tba.buffer.config import BufferConfig
 from hpc_tba.buffer.segments import (
     Record,
     SyncRecord,
@@ -54,6 +53,7 @@ from hpc_tba.buffer.segments import (
     read_segment,
     write_all,
 )
+from hpc_tba.config import BufferConfig
 
 if TYPE_CHECKING:
     from hpc_tba.buffer.storage import Store

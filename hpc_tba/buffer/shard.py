@@ -20,7 +20,6 @@ import time
 
 import numpy as np
 
-from hpc_tba.buffer.config import BufferConfig
 from hpc_tba.buffer.log import ShardLog, generations, read_manifest, shard_dir
 from hpc_tba.buffer.samplers import sample_advantage, sample_tba
 from hpc_tba.buffer.segments import (
@@ -31,6 +30,7 @@ from hpc_tba.buffer.segments import (
     read_segment,
 )
 from hpc_tba.buffer.storage import Store
+from hpc_tba.config import BufferConfig
 from hpc_tba.messages import SampledBatch, TrajectoryBatch
 
 STATE_VERSION = 1

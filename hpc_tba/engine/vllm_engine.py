@@ -54,15 +54,12 @@ import itertools
 import os
 import signal
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from hpc_tba.config import SearcherConfig
 from hpc_tba.engine.base import Sample
-
-if TYPE_CHECKING:  # a type only: the engine layer imports no role
-    from hpc_tba.roles.config import SearcherConfig
 
 
 def configure_cpu_env(*, core: int | None, kv_cache_mb: int) -> None:

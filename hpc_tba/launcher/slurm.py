@@ -314,7 +314,7 @@ def sbatch_script(cfg: RunConfig, overrides: Sequence[str], *, name: str) -> str
 
 def preset_script(name: str) -> str:
     """Generate slurm/<name>.sh from its preset overrides."""
-    from hpc_tba.config import compose
+    from hpc_tba.assembly.compose import compose
 
     overrides = PRESETS[name]
     return sbatch_script(compose(list(overrides)), overrides, name=name)
@@ -340,7 +340,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(path)
         return 0
     if args[:1] == ["sbatch"]:
-        from hpc_tba.config import compose
+        from hpc_tba.assembly.compose import compose
 
         overrides = args[1:]
         name = next((o.split("=", 1)[1] for o in overrides if o.startswith("name=")), "tba")

@@ -85,11 +85,13 @@ def config_overrides(cfg: RunConfig) -> list[str]:
     """
     from omegaconf import OmegaConf
 
-    from hpc_tba.config import compose
+    from hpc_tba.assembly.compose import compose
 
-    base = OmegaConf.to_container(OmegaConf.structured(compose([])))
+    # Another objective has other fields: select its yaml first, then override from there.
+    lead = [] if cfg.algo.name == compose([]).algo.name else [f"algo={cfg.algo.name}"]
+    base = OmegaConf.to_container(OmegaConf.structured(compose(lead)))
     want = OmegaConf.to_container(OmegaConf.structured(cfg))
-    out: list[str] = []
+    out: list[str] = list(lead)
 
     def walk(prefix: str, a: Any, b: Any) -> None:
         if isinstance(b, dict) and isinstance(a, dict):

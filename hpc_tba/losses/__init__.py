@@ -5,7 +5,10 @@ per-sample tensors `[B]` and scalar hyper-parameters, and returns `(loss, metric
 loss (Σ per-sample loss / normalizer) and a dict of detached tensors. No collectives, no
 `.item()`, no config objects inside (conventions in `common.py`).
 
-The learner calls `compute_loss(cfg, LossInputs(...), step=..., normalizer=...)`. With data
+Which objective a run trains with is its `algo` config, a subclass of AlgoConfig declared by the
+objective's module and registered in `registry` (its needs: reference model, advantages,
+behaviour log-probs, group coupling, loss units); `registry.make_config(name, **fields)` builds
+one. The learner calls `compute_loss(cfg, LossInputs(...), step=..., normalizer=...)`. With data
 parallelism and/or gradient accumulation it passes as `normalizer` the number of loss units in the
 whole optimizer step, `N = Σ_ranks Σ_micro-batches loss_units(cfg, inputs)`, so that SUMMING the
 per-rank, per-micro-batch gradients reproduces the single-process full-batch gradient. Engines
@@ -18,26 +21,28 @@ from __future__ import annotations
 
 import importlib
 
-from hpc_tba.losses.config import LossConfig
-
-# Names resolve lazily (PEP 562): `hpc_tba.losses.config` is read by the config layer, which must
-# not pay for importing torch (a bad command line should fail in well under a second).
+# Names resolve lazily (PEP 562): `hpc_tba.losses.registry` and the objectives' configs are read
+# at composition, which must not pay for importing torch (a bad command line should fail in well
+# under a second).
 _WHERE = {
     "LossInputs": "dispatch", "compute_loss": "dispatch", "loss_units": "dispatch",
+    "group_coupled": "dispatch", "make_config": "registry", "needs": "registry",
     "alol": "alol_loss", "dpo": "baselines", "dpo_pairs": "baselines", "grpo": "baselines",
     "rloo": "baselines", "sft": "baselines", "tb_advantages": "tb", "trajectory_balance": "tb",
     "token_logprobs": "common", "topr": "topr_loss",
 }
 
 __all__ = [
-    "LossConfig",
     "LossInputs",
     "alol",
     "compute_loss",
     "dpo",
     "dpo_pairs",
+    "group_coupled",
     "grpo",
     "loss_units",
+    "make_config",
+    "needs",
     "rloo",
     "sft",
     "tb_advantages",

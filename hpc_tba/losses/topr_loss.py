@@ -8,9 +8,9 @@
 The split into positives and negatives uses the reward R it is given (R ≥ positive_threshold, 0
 by default); the baseline c only shifts the multiplier (R − c). With 0/1 task rewards and c = 0 a
 wrong answer would get R − c = 0, i.e. no weight at all (rejection-sampling SFT, not TOPR), so
-the dispatcher passes `LossConfig.topr_rewards(R)`: under algo.reward_map=pm1 (what `auto` picks
-for a 0/1 task) the task's declared [low, high] maps to the paper's ±1. One function covers the family
-(pos_clip = (a+, b+), neg_clip = (a−, b−)):
+the dispatcher passes `ToprConfig.topr_rewards(R)` (objectives/topr.py): under
+algo.reward_map=pm1 (what `auto` picks for a 0/1 task) the task's declared [low, high] maps to
+the paper's ±1. One function covers the family (pos_clip = (a+, b+), neg_clip = (a−, b−)):
 
 | setting                     | pos_clip    | neg_clip    |
 |-----------------------------|-------------|-------------|

@@ -25,9 +25,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hpc_tba.config import ConfigError
-from hpc_tba.models.config import ModelConfig
-from hpc_tba.tasks import TaskConfig, build_task
+from hpc_tba.config import ConfigError, ModelConfig, TaskConfig
+from hpc_tba.tasks import build_task
 from hpc_tba.tasks.base import Prompt, Task
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
@@ -189,7 +188,7 @@ def greedy_pass_at_1(policy, tokenizer, task: Task, prompts: list[Prompt], *,
     (searcher.max_new_tokens by default), stop at EOS, decode without special tokens, the task's
     notion of correct. Prompts of one token length are decoded together (no padding)."""
     if max_new_tokens is None:
-        from hpc_tba.roles.config import SearcherConfig
+        from hpc_tba.config import SearcherConfig
 
         max_new_tokens = SearcherConfig().max_new_tokens
     was_training = policy.training

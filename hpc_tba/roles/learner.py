@@ -29,10 +29,10 @@ from hpc_tba.buffer import BufferShard, staleness_lags
 from hpc_tba.comm.metrics import reduce_metrics
 from hpc_tba.comm.transport import Transport
 from hpc_tba.comm.weight_sync import FLAG_EVAL, Manifest, WeightSender
-from hpc_tba.losses import LossConfig, LossInputs, loss_units
+from hpc_tba.config import AlgoConfig, LearnerConfig
+from hpc_tba.losses import LossInputs, loss_units, needs
 from hpc_tba.messages import Done, EvalReport, ProbeReport, SampledBatch, Stop, TrajectoryBatch
 from hpc_tba.roles import microbatch
-from hpc_tba.roles.config import LearnerConfig
 from hpc_tba.roles.logging import RunLogger, Timers
 from hpc_tba.roles.policy import PackedBatch, pack, pad_per_token, response_logprobs
 from hpc_tba.topology import Topology
@@ -83,7 +83,7 @@ def role_device(engine) -> torch.device:
 
 
 class Learner:
-    def __init__(self, *, cfg: LearnerConfig, loss: LossConfig, shard: BufferShard, k: int,
+    def __init__(self, *, cfg: LearnerConfig, loss: AlgoConfig, shard: BufferShard, k: int,
                  temperature: float, model_path: str, transport: Transport, topo: Topology,
                  sync_group, run_dir: str, preemption=None):
         self.cfg, self.loss_cfg, self.shard = cfg, loss, shard
@@ -145,7 +145,7 @@ class Learner:
             config=ds_train)
         check_dtype(engine.module, dtype, where=f"learner.dtype={self.cfg.dtype}: the policy")
         ref = None
-        if self.loss_cfg.needs_reference:
+        if needs(self.loss_cfg).reference:
             ref_model = load_causal_lm(model_path, dtype=dtype, zero3_config=zero3, rank=self.lrank).eval()
             ref_model.requires_grad_(False)
             ref, *_ = deepspeed.initialize(
@@ -372,7 +372,7 @@ class Learner:
         """
         if batch.advantages is not None:
             return torch.as_tensor(batch.advantages, device=self.device)
-        if not self.loss_cfg.needs_advantages:
+        if not needs(self.loss_cfg).advantages:
             return None
         means = torch.zeros(int(groups.max()) + 1, dtype=rewards.dtype, device=self.device).index_add_(
             0, groups, rewards)

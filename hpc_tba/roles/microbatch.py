@@ -13,7 +13,7 @@ detached constant ("context"). By the chain rule the backward of micro-batch m t
 long as ∂L/∂S_i is evaluated at the true values. The context values matter only where the
 derivative of one row's loss depends on another row's current log-probs, i.e. on θ-dependent
 group statistics: TB's VarGrad logZ = sg[mean_j (r/β − S_j + S_ref_j)], RLOO's KL-shaped
-leave-one-out baseline, DPO's pair partner (`losses.dispatch.group_coupled`). Rules:
+leave-one-out baseline, DPO's pair partner (what the objective declares, `losses.group_coupled`). Rules:
 
 - whole groups per micro-batch: context rows are never in the current row's group, any finite
   value will do (zeros); no extra pass.
@@ -39,8 +39,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from hpc_tba.losses import LossConfig, LossInputs, compute_loss
-from hpc_tba.losses.dispatch import group_coupled
+from hpc_tba.config import AlgoConfig
+from hpc_tba.losses import LossInputs, compute_loss, group_coupled
 from hpc_tba.roles.policy import PackedBatch
 
 
@@ -120,7 +120,7 @@ def no_grad_logprobs(logprobs: Callable[[PackedBatch], torch.Tensor], packed: Pa
     return out
 
 
-def needs_context(cfg: LossConfig, p: MicroPlan) -> bool:
+def needs_context(cfg: AlgoConfig, p: MicroPlan) -> bool:
     """Whether the current log-probs of other rows are needed for an exact gradient."""
     return p.split and group_coupled(cfg)
 
@@ -131,7 +131,7 @@ def _scatter(base: torch.Tensor, rows: torch.Tensor, part: torch.Tensor) -> torc
     return base.index_put((rows,), pad)
 
 
-def accumulate(cfg: LossConfig, inputs: LossInputs, p: MicroPlan, *,
+def accumulate(cfg: AlgoConfig, inputs: LossInputs, p: MicroPlan, *,
                logp_fn: Callable[[torch.Tensor], torch.Tensor],
                backward: Callable[[torch.Tensor, bool], None],
                step: int, normalizer: float,

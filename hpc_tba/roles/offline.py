@@ -99,6 +99,17 @@ def _formatter(task):
     return task.formatter if task.formatter is not None else (lambda t: t)
 
 
+def required_fields(algo) -> list[str]:
+    """Fields every row of an offline file must carry for this objective, as its registration
+    declares (hpc_tba.losses.registry): `logp_behavior` when its loss reads log μ (the learner
+    cannot recompute the behaviour policy of someone else's data), `advantage` when it needs
+    precomputed advantages. π_ref's log-probs the learner computes itself."""
+    from hpc_tba.losses.registry import needs
+
+    n = needs(algo)
+    return ["logp_behavior"] * n.behavior_logp + ["advantage"] * n.advantages
+
+
 def fill_shard(shard, task, tok, *, needs: Sequence[str], temperature: float) -> int:
     """Add the offline rows this shard owns; returns the number of responses accepted.
 

@@ -56,9 +56,9 @@ import numpy as np
 
 from hpc_tba.comm.transport import Transport
 from hpc_tba.comm.weight_sync import StagedWeights, WeightReceiver
+from hpc_tba.config import SearcherConfig
 from hpc_tba.engine.base import Engine
 from hpc_tba.messages import Done, EvalReport, ProbeReport, Stop, TrajectoryBatch
-from hpc_tba.roles.config import SearcherConfig
 from hpc_tba.roles.logging import RunLogger, Timers
 from hpc_tba.tasks import Task
 from hpc_tba.topology import Topology

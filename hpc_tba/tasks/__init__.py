@@ -4,10 +4,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from hpc_tba.config import TaskConfig
 from hpc_tba.tasks.arithmetic import ArithmeticTask
 from hpc_tba.tasks.base import Prompt, RewardRange, Task
 from hpc_tba.tasks.chat import PromptFormatter
-from hpc_tba.tasks.config import TaskConfig
 from hpc_tba.tasks.math import GSM8KTask, MathTask
 from hpc_tba.tasks.offline import OfflineTask
 from hpc_tba.tasks.preference import PreferenceTask
@@ -50,4 +50,4 @@ def reward_range(cfg: TaskConfig) -> RewardRange | None:
     return None if cls is None else cls.reward_range
 
 
-__all__ = ["Prompt", "RewardRange", "Task", "TaskConfig", "TASKS", "build_task", "reward_range"]
+__all__ = ["Prompt", "RewardRange", "Task", "TASKS", "build_task", "reward_range"]

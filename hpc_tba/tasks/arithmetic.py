@@ -10,8 +10,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from hpc_tba.config import TaskConfig
 from hpc_tba.tasks.base import BINARY, Prompt, Task
-from hpc_tba.tasks.config import TaskConfig
 
 
 class ArithmeticTask(Task):

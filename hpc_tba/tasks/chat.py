@@ -24,7 +24,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from hpc_tba.tasks.config import TaskConfig
+from hpc_tba.config import TaskConfig
 
 _WARNED: set[str] = set()
 

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from hpc_tba.config import TaskConfig
 from hpc_tba.tasks.base import BINARY, Prompt, Task
-from hpc_tba.tasks.config import TaskConfig
 from hpc_tba.tasks.math_answers import (
     answers_equal,
     extract_answer,

@@ -35,8 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
+from hpc_tba.config import TaskConfig
 from hpc_tba.tasks.base import Prompt, Task
-from hpc_tba.tasks.config import TaskConfig
 from hpc_tba.tasks.records import (
     DataError,
     Row,

@@ -24,9 +24,9 @@ from typing import Any
 
 import numpy as np
 
+from hpc_tba.config import TaskConfig
 from hpc_tba.tasks.base import Prompt, Task
 from hpc_tba.tasks.chat import ensure_pad_token
-from hpc_tba.tasks.config import TaskConfig
 from hpc_tba.tasks.records import DataError, get_str, read_rows, split_files
 
 

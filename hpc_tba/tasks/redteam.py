@@ -29,9 +29,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from hpc_tba.config import TaskConfig
 from hpc_tba.tasks.base import Prompt, RewardRange, Task
 from hpc_tba.tasks.chat import ensure_pad_token
-from hpc_tba.tasks.config import TaskConfig
 from hpc_tba.tasks.diversity import diversity_metrics
 from hpc_tba.tasks.preference import RewardModel, load_prompts, reward_placement
 

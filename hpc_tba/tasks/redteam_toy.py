@@ -104,8 +104,8 @@ def classifier_accuracy(path: str | Path, n: int = 256, seed: int = 1) -> float:
 
 def write_prompts(out_dir: str | Path, *, num_train: int = 200, num_test: int = 40) -> Path:
     """`train.jsonl` / `test.jsonl` of `{"prompt": "a+b="}` instruction rows in `out_dir`."""
+    from hpc_tba.config import TaskConfig
     from hpc_tba.tasks.arithmetic import ArithmeticTask
-    from hpc_tba.tasks.config import TaskConfig
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -215,7 +215,7 @@ def _save_spec(path: Path, spec: dict) -> None:
 
 def task_answers(overrides: Sequence[str] = ()) -> tuple[dict[str, str], int]:
     """{prompt text: answer} of the arithmetic task's training prompts, and the largest answer."""
-    from hpc_tba.config import compose
+    from hpc_tba.assembly.compose import compose
     from hpc_tba.tasks import build_task
 
     cfg = compose(list(overrides))

@@ -1,7 +1,9 @@
-"""Typed configurations of the learner and searcher roles (`learner=`, `searcher=` groups)."""
+"""Typed configuration of the learner role (`learner=` group)."""
 from __future__ import annotations
 
 import dataclasses
+
+from hpc_tba.config.searcher import SearcherConfig
 
 
 @dataclasses.dataclass
@@ -91,76 +93,6 @@ class LearnerConfig:
                              "learner.logprob_chunk_tokens >= 1")
         if self.dtype not in ("fp32", "bf16"):
             raise ValueError(f"learner.dtype={self.dtype!r} must be fp32 or bf16")
-
-
-@dataclasses.dataclass
-class SearcherConfig:
-    """vLLM searcher: generates S samples per prompt and ships them all; the learner takes K."""
-
-    samples_per_prompt: int = 12
-    """S: responses generated per prompt (the paper: S = 1.2 K)."""
-    k: int = 10
-    """K: responses of one prompt in one learner micro-batch (TB's logZ group)."""
-    temperature: float = 0.7
-    """Sampling temperature; log-probs on both sides come from logits / temperature."""
-    prompts_per_round: int = 8
-    """Prompts per generation round."""
-    update: str = "between_rounds"
-    """When an engine applies a new weight version: between_rounds (a response never mixes
-    versions) or in_flight (running requests continue on the new weights between decode steps;
-    every response token carries the version that produced it)."""
-    staging: str = "auto"
-    """Where a received weight version waits for the engine: device (one version in the engine's
-    dtype on its GPU), host (pinned host memory), stream (bucket by bucket straight into the
-    engine), or auto (device when the plan says it fits, else host; host on CPU)."""
-    max_version_span: int = 0
-    """in_flight: most weight versions one response may carry; a response whose tokens come from
-    more versions is dropped (counted in searcher/dropped_version_span). 0: no cap (keep all:
-    the behaviour log-prob of every token is exact for the version stamped on it)."""
-    stop: list[str] = dataclasses.field(default_factory=list)
-    """Stop strings ending a response besides the tokenizer's EOS (the stop string is kept)."""
-    enforce_eager: bool | None = None
-    """vLLM without CUDA graphs; None: eager on CPU, CUDA graphs on GPU."""
-    max_new_tokens: int = 8
-    """Longest response."""
-    max_model_len: int = 64
-    """vLLM max sequence length."""
-    kv_cache_mb: int = 64
-    """KV-cache size per engine in MiB (vLLM would otherwise reserve most of RAM on CPU)."""
-    gpu_memory_utilization: float = 0.85
-    """GPU engines: fraction of device memory vLLM may use."""
-    tensor_parallel_size: int = 1
-    """GPU engines: GPUs one engine spans."""
-    engine_process: bool = False
-    """Run the vLLM engine in child processes (vLLM V1 multiprocessing) instead of inside the
-    searcher's process; weights reach its workers over a per-engine channel. Always on when
-    tensor_parallel_size > 1 (vLLM's tensor-parallel workers are processes of their own)."""
-    dtype: str = "float32"
-    """Engine dtype (float32 on CPU so the engine's log-probs match the learner's)."""
-    seed: int = 0
-    """Base seed; searcher i uses seed + i."""
-
-    def __post_init__(self) -> None:
-        if self.samples_per_prompt < 1 or self.k < 1:
-            raise ValueError("searcher.samples_per_prompt (S) and searcher.k (K) must be >= 1")
-        if self.temperature <= 0:
-            raise ValueError(f"searcher.temperature={self.temperature} must be > 0")
-        if self.max_new_tokens < 1 or self.max_model_len <= self.max_new_tokens:
-            raise ValueError("searcher.max_model_len must exceed searcher.max_new_tokens >= 1")
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"searcher.tensor_parallel_size={self.tensor_parallel_size} must be >= 1")
-        if self.update not in ("between_rounds", "in_flight"):
-            raise ValueError(f"searcher.update={self.update!r} must be between_rounds or in_flight")
-        if self.staging not in ("auto", "device", "host", "stream"):
-            raise ValueError(f"searcher.staging={self.staging!r} must be auto, device, host or stream")
-        if self.max_version_span < 0:
-            raise ValueError(f"searcher.max_version_span={self.max_version_span} must be >= 0 (0: no cap)")
-        if self.tensor_parallel_size > 1:
-            self.engine_process = True  # tensor-parallel workers always live in other processes
-        if self.staging == "stream" and self.engine_process:
-            raise ValueError("searcher.staging=stream loads buckets straight into an in-process "
-                             "engine; with engine_process=true (or tensor_parallel_size > 1) use "
-                             "staging=device, host or auto")
 
 
 def resolve_wire_dtype(learner: LearnerConfig, searcher: SearcherConfig) -> str:
