@@ -12,17 +12,17 @@ from pathlib import Path
 import pytest
 
 from hpc_tba.assembly.compose import compose
-from hpc_tba.launcher import slurm
+from hpc_tba.launcher import scripts, slurm
 from hpc_tba.topology import LayoutError, Topology
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("name", sorted(slurm.PRESETS))
+@pytest.mark.parametrize("name", sorted(scripts.PRESETS))
 def test_checked_in_scripts_equal_the_generator(name):
     path = REPO / "slurm" / f"{name}.sh"
-    assert path.read_text() == slurm.preset_script(name), (
-        f"slurm/{name}.sh is stale: run `python -m hpc_tba.launcher.slurm write-scripts`")
+    assert path.read_text() == scripts.preset_script(name), (
+        f"slurm/{name}.sh is stale: run `python -m hpc_tba.launcher.scripts write-scripts`")
     assert os.access(path, os.X_OK)
 
 
@@ -31,7 +31,7 @@ def _lines(text: str, prefix: str) -> list[str]:
 
 
 def test_golden_70b():
-    text = slurm.preset_script("tba_70b")
+    text = scripts.preset_script("tba_70b")
     assert _lines(text, "#SBATCH") == [
         "#SBATCH --job-name=tba_70b",
         "#SBATCH --nodes=16",
@@ -53,7 +53,7 @@ def test_golden_70b():
 
 
 def test_golden_8b():
-    text = slurm.preset_script("tba_8b")
+    text = scripts.preset_script("tba_8b")
     assert _lines(text, "#SBATCH --nodes") == ["#SBATCH --nodes=2"]
     assert _lines(text, "#SBATCH --signal") == ["#SBATCH --signal=USR1@300"]
     assert "TASKS=(8 8)" in text

@@ -10,7 +10,7 @@ Job life cycle (the submitit protocol, without submitit):
   see it at a step boundary, checkpoint, and rank 0 calls `requeue()`  ->  Slurm restarts the same
   job id (SLURM_RESTART_COUNT + 1) on the same run directory, which resumes from the checkpoint.
 
-`python -m hpc_tba.launcher.slurm sbatch <overrides>` prints a script; `... write-scripts`
+`python -m hpc_tba.launcher.scripts sbatch <overrides>` prints a script; `... write-scripts`
 regenerates slurm/*.sh (a test checks they equal the generator's output).
 """
 from __future__ import annotations
@@ -21,11 +21,9 @@ import re
 import shlex
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hpc_tba.launcher.local import rank_command
@@ -34,14 +32,6 @@ from hpc_tba.topology import LayoutError, Topology
 if TYPE_CHECKING:
     from hpc_tba.config import RunConfig
 
-REPO = Path(__file__).resolve().parents[2]
-SCRIPTS_DIR = REPO / "slurm"
-# The scripts shipped in slurm/: name -> the Hydra overrides baked into it.
-PRESETS: dict[str, tuple[str, ...]] = {
-    "tba_70b": ("+experiment=tba_70b",),
-    "tba_8b": ("+experiment=tba_8b",),
-    "tiny_cpu": ("cluster=slurm_cpu",),
-}
 
 
 # ---- the environment a rank sees ------------------------------------------------------------
@@ -310,46 +300,3 @@ def sbatch_script(cfg: RunConfig, overrides: Sequence[str], *, name: str) -> str
         srun_text,
     ]
     return "\n".join(head + body) + "\n"
-
-
-def preset_script(name: str) -> str:
-    """Generate slurm/<name>.sh from its preset overrides."""
-    from hpc_tba.assembly.compose import compose
-
-    overrides = PRESETS[name]
-    return sbatch_script(compose(list(overrides)), overrides, name=name)
-
-
-def write_scripts(directory: Path = SCRIPTS_DIR) -> list[Path]:
-    """Regenerate every preset script (executable)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for name in PRESETS:
-        path = directory / f"{name}.sh"
-        path.write_text(preset_script(name))
-        path.chmod(0o755)
-        paths.append(path)
-    return paths
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """`sbatch <overrides>` prints a script; `write-scripts` regenerates slurm/*.sh."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    if args[:1] == ["write-scripts"]:
-        for path in write_scripts():
-            print(path)
-        return 0
-    if args[:1] == ["sbatch"]:
-        from hpc_tba.assembly.compose import compose
-
-        overrides = args[1:]
-        name = next((o.split("=", 1)[1] for o in overrides if o.startswith("name=")), "tba")
-        sys.stdout.write(sbatch_script(compose(overrides), overrides, name=name))
-        return 0
-    print("usage: python -m hpc_tba.launcher.slurm {sbatch <overrides> | write-scripts}",
-          file=sys.stderr)
-    return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,64 @@
+"""The sbatch scripts shipped in slurm/, generated from the presets' composed configs.
+
+    python -m hpc_tba.launcher.scripts sbatch <overrides>    # print the script for a config
+    python -m hpc_tba.launcher.scripts write-scripts         # regenerate slurm/*.sh
+
+An entry point: it composes configs (the assembly layer), then asks launcher/slurm.py, which
+holds all Slurm knowledge, for the text. tests/test_slurm_scripts.py keeps slurm/*.sh equal to it.
+"""
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from hpc_tba.assembly.compose import compose
+from hpc_tba.launcher.slurm import sbatch_script
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPTS_DIR = REPO / "slurm"
+# The scripts shipped in slurm/: name -> the Hydra overrides baked into it.
+PRESETS: dict[str, tuple[str, ...]] = {
+    "tba_70b": ("+experiment=tba_70b",),
+    "tba_8b": ("+experiment=tba_8b",),
+    "tiny_cpu": ("cluster=slurm_cpu",),
+}
+
+
+def preset_script(name: str) -> str:
+    """Generate slurm/<name>.sh from its preset overrides."""
+    overrides = PRESETS[name]
+    return sbatch_script(compose(list(overrides)), overrides, name=name)
+
+
+def write_scripts(directory: Path = SCRIPTS_DIR) -> list[Path]:
+    """Regenerate every preset script (executable)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name in PRESETS:
+        path = directory / f"{name}.sh"
+        path.write_text(preset_script(name))
+        path.chmod(0o755)
+        paths.append(path)
+    return paths
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`sbatch <overrides>` prints a script; `write-scripts` regenerates slurm/*.sh."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["write-scripts"]:
+        for path in write_scripts():
+            print(path)
+        return 0
+    if args[:1] == ["sbatch"]:
+        overrides = args[1:]
+        name = next((o.split("=", 1)[1] for o in overrides if o.startswith("name=")), "tba")
+        sys.stdout.write(sbatch_script(compose(overrides), overrides, name=name))
+        return 0
+    print("usage: python -m hpc_tba.launcher.scripts {sbatch <overrides> | write-scripts}",
+          file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
