@@ -8,11 +8,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hpc_tba.buffer import (
-    BufferConfig,
     BufferShard,
     staleness_histogram,
     staleness_lags,
 )
+from hpc_tba.config import BufferConfig
 
 
 def _cfg(**kw) -> BufferConfig:

@@ -10,8 +10,9 @@ import json
 import numpy as np
 import pytest
 
-from hpc_tba.comm.transport import Tag
+from hpc_tba.comm.transport import Transport
 from hpc_tba.engine.base import Engine, Sample
+from hpc_tba.messages import Done, EvalReport, Stop, TrajectoryBatch
 
 DIGITS = [ord(c) for c in "0123456789"]
 
@@ -63,31 +64,44 @@ class DigitEngine:
 
 
 class _Transport:
-    """What a searcher asks of its transport; STOP arrives after the first round."""
+    """What a searcher asks of its transport (hpc_tba.comm.transport.Transport); every message is
+    packed and unpacked as on the wire, and STOP arrives after the first round."""
+
+    rank, size = 2, 3
 
     def __init__(self):
-        self.trajectories, self.arrays, self.sent_to, self.polls = [], [], {}, 0
+        self.sent, self.sent_to, self.stop_polls = [], {}, 0
 
-    def barrier(self):
-        pass
+    def send(self, dest, message):
+        self.sent.append((dest, type(message).unpack(message.pack())))
+        if isinstance(message, TrajectoryBatch):
+            self.sent_to[dest] = self.sent_to.get(dest, 0) + 1
 
-    def send_trajectory(self, dest, batch):
-        self.trajectories.append((dest, batch))
-        self.sent_to[dest] = self.sent_to.get(dest, 0) + 1
-
-    def send_array(self, dest, tag, array):
-        self.arrays.append((dest, tag, array))
-
-    def poll(self, tag):
-        assert tag is Tag.STOP
-        self.polls += 1
-        return self.polls > 1
+    def receive(self, kind, *, max_messages=1 << 30):
+        assert kind is Stop
+        self.stop_polls += 1
+        return [(0, Stop(1))] if self.stop_polls > 1 else []
 
     def progress(self):
         return 0
 
     def flush(self):
         pass
+
+    def bcast_json(self, obj, *, root=0):
+        return obj
+
+    def allgather_json(self, obj):
+        return [obj] * self.size
+
+    def barrier(self):
+        pass
+
+    def abort(self, code=1):
+        raise AssertionError(f"abort({code})")
+
+    def of(self, kind):
+        return [(d, m) for d, m in self.sent if isinstance(m, kind)]
 
 
 def test_a_python_engine_satisfies_the_protocol_and_vllm_has_its_signatures():
@@ -112,21 +126,24 @@ def test_the_real_searcher_runs_a_round_on_a_python_engine(tmp_path):
 
     cfg = SearcherConfig(prompts_per_round=3, samples_per_prompt=2, k=2, max_new_tokens=4)
     engine, transport, topo = DigitEngine(), _Transport(), Topology.build(3, 2, 1)
+    assert isinstance(transport, Transport)
     s = Searcher(cfg=cfg, task=build_task(TaskConfig()), engine=engine, receiver=None,
                  transport=transport, topo=topo, index=0, run_dir=str(tmp_path))
     s.run()
     s.close()
     assert s.rounds == 1 and engine.closed
-    assert len(transport.trajectories) == 3 == s.sent
-    for dest, batch in transport.trajectories:
+    trajectories = transport.of(TrajectoryBatch)
+    assert len(trajectories) == 3 == s.sent
+    for dest, batch in trajectories:
         assert dest == topo.shard_of_prompt(batch.prompt_id) and batch.policy_version == 0
         assert len(batch.lengths) == 2 and batch.lengths.sum() == len(batch.response_tokens)
         assert set(batch.response_tokens.tolist()) <= set(DIGITS)
         assert np.allclose(batch.logp_behavior, np.log(0.1))
         assert batch.rewards.shape == (2,)
-    evals = [a for d, t, a in transport.arrays if t is Tag.EVAL]
-    assert len(evals) == 1 and evals[0][0] == 0 and evals[0][2] == len(s.test) > 0
-    done = {d: int(a[0]) for d, t, a in transport.arrays if t is Tag.DONE}
+    evals = transport.of(EvalReport)
+    assert len(evals) == 1 and evals[0][0] == 0
+    assert evals[0][1].policy_version == 0 and evals[0][1].total == len(s.test) > 0
+    done = {d: m.sent for d, m in transport.of(Done)}
     assert done == {r: transport.sent_to.get(r, 0) for r in topo.learner_ranks}
     summary = json.loads((tmp_path / "summary_searcher0.json").read_text())
     assert summary["rounds"] == 1 and summary["sent"] == 3
