@@ -8,8 +8,11 @@ import sys
 import pytest
 from conftest import HPC_TBA, REPO
 
+# One searcher: each objective needs one pass through the real components, and a second engine
+# on two cores made each run ~1.8x longer (36 s vs 20 s); several searchers are exercised by
+# test_spine_e2e, test_two_learners_e2e and test_first_hour.
 SHORT = ["learner.total_steps=3", "learner.eval_every=0", "buffer.warm_start=50",
-         "learner.export_final=false"]
+         "learner.export_final=false", "cluster.num_searchers=1"]
 # 0/1 rewards in the task's own units (the default, reward_map=auto, maps them to ±1 instead).
 TOPR_01 = ["algo.reward_map=none", "algo.topr_positive_threshold=0.5", "algo.topr_baseline=0.5"]
 

@@ -110,8 +110,11 @@ def test_sigusr1_checkpoints_within_grace_then_resumes(tmp_path, grace_s):
     assert (run_dir / "checkpoints" / f"step_{step:06d}" / "COMPLETE").exists()
     assert took < grace_s, f"checkpoint and exit took {took:.0f}s"
 
-    proc = _start(run_dir, "learner.total_steps=40", "resume=auto")
+    finish = step + 4  # a few steps past the checkpoint show the run continues from it
+    proc = _start(run_dir, f"learner.total_steps={finish}", "resume=auto")
     out, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, out[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == 40 and not summary["preempted"]
+    assert summary["steps"] == finish and not summary["preempted"]
+    rows = [json.loads(line) for line in open(run_dir / "metrics_learner.jsonl")]
+    assert [r["checkpoint/resumed_step"] for r in rows if "checkpoint/resumed_step" in r] == [step]
