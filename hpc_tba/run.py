@@ -17,16 +17,14 @@ import traceback
 def run_rank(cfg) -> tuple[int, dict | None]:
     """(this rank, its role's summary: a dict on learner ranks, None on searchers)."""
     from hpc_tba.assembly.build import build_role
+    from hpc_tba.assembly.compose import write_run_config
     from hpc_tba.assembly.rank import setup_rank
-    from hpc_tba.config import to_yaml
     from hpc_tba.console import say
 
     rank = setup_rank(cfg)
     transport, topo = rank.transport, rank.topology
     if transport.rank == 0:
-        os.makedirs(cfg.run_dir, exist_ok=True)
-        with open(os.path.join(cfg.run_dir, "config.yaml"), "w") as f:
-            f.write(to_yaml(cfg))
+        write_run_config(cfg)
         say(f"hpc-tba: building {topo.num_learners} ZeRO-3 learner(s) and {topo.num_searchers} "
             f"vLLM searcher(s); TensorBoard: tensorboard --logdir {cfg.run_dir}/tb")
     worker = None

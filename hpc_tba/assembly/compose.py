@@ -152,3 +152,13 @@ def _one_line(e: BaseException) -> str:
         msg = str(e).split("Config search path")[0].strip()
     msg = " ".join(msg.split())
     return f"{key.group(1)}: {msg}" if key and key.group(1) not in msg else msg
+
+
+def write_run_config(cfg) -> None:
+    """The resolved configuration into <run_dir>/config.yaml (what `hpc-tba status`/`report` read
+    and a resume recomposes); written once per run, by rank 0."""
+    from hpc_tba.config import to_yaml
+
+    os.makedirs(cfg.run_dir, exist_ok=True)
+    with open(os.path.join(cfg.run_dir, "config.yaml"), "w") as f:
+        f.write(to_yaml(cfg))

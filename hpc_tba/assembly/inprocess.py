@@ -29,7 +29,6 @@ all: slower than mpiexec, never a throughput measurement.
 """
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import time
@@ -120,24 +119,21 @@ def run_ranks(size: int, make_role: Callable[[Transport], object], *, timeout_s:
 def run_in_process(cfg) -> dict:
     """Train with every rank of `cfg` a thread of this process; returns the learner's summary
     (what `hpc-tba train` prints and writes to <run_dir>/summary.json)."""
-    import signal
 
     from hpc_tba.assembly.build import build_role
-    from hpc_tba.assembly.rank import setup_rank
-    from hpc_tba.config import to_yaml
-    from hpc_tba.launcher.slurm import PreemptionFlag, install_preemption_handler, preemption_signals
+    from hpc_tba.assembly.compose import write_run_config
+    from hpc_tba.assembly.rank import install_run_signals, setup_rank
+    from hpc_tba.launcher.slurm import PreemptionFlag
     from hpc_tba.topology import Topology
 
     check_config(cfg)
     topo = Topology.for_run(cfg, cfg.cluster.num_learners + cfg.cluster.num_searchers)
-    os.makedirs(cfg.run_dir, exist_ok=True)
-    with open(os.path.join(cfg.run_dir, "config.yaml"), "w") as f:
-        f.write(to_yaml(cfg))
+    write_run_config(cfg)
     # One flag for every rank: only the main thread may install signal handlers (off it, the
     # signals stay as they are and the flag is never set).
     preemption = PreemptionFlag()
     if threading.current_thread() is threading.main_thread():
-        preemption = install_preemption_handler((*preemption_signals(), signal.SIGTERM))
+        preemption = install_run_signals()
 
     def make_role(transport: Transport):
         return build_role(cfg, setup_rank(cfg, transport, preemption=preemption))

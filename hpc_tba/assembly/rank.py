@@ -69,11 +69,17 @@ def setup_rank(cfg, transport: Any = None, *, preemption: PreemptionFlag | None 
     # Every rank takes the signals (an unhandled SIGUSR1 would kill a searcher); learners act on
     # them at the next step boundary: checkpoint together, stop the searchers, exit.
     if preemption is None:
-        preemption = install_preemption_handler((*preemption_signals(), signal.SIGTERM))
+        preemption = install_run_signals()
     pin_threads(cfg.cluster.threads_per_rank)
     if cfg.cluster.backend == "local" and cfg.cluster.pin_cores:
         pin_cores(rank, topo)
     return RankSetup(transport, topo, topo.role(rank), env, preemption)
+
+
+def install_run_signals() -> PreemptionFlag:
+    """Route a run's stop signals (Slurm's / submitit's preemption signal, SIGTERM) to one flag;
+    main thread only (Python's rule for signal handlers)."""
+    return install_preemption_handler((*preemption_signals(), signal.SIGTERM))
 
 
 def pin_threads(n: int) -> None:
