@@ -93,7 +93,8 @@ def compose(overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
-            cfg = hydra_compose(config_name="config", overrides=[*_searchpath(), *overrides])
+            cfg = hydra_compose(config_name="config",
+                                overrides=[*_searchpath(), *map(_dict_entry, overrides)])
         algo_cls = config_class(str(cfg.algo.get("name", "tb")), str(cfg.algo.get("module", "") or ""))
         _check_keys(cfg, RunConfig, "", algo=algo_cls)
         schema = OmegaConf.structured(RunConfig(algo=algo_cls()))
@@ -109,6 +110,16 @@ def compose(overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
         raise
     obj.run_dir = os.path.abspath(os.path.expanduser(obj.run_dir))
     return obj
+
+
+DICT_FIELDS = ("task.columns.",)
+"""Dict-valued fields whose entries a plain `task.columns.question=problem` adds or replaces."""
+
+
+def _dict_entry(override: str) -> str:
+    """`task.columns.X=Y` as Hydra's add-or-override `++task.columns.X=Y` (a plain override of a
+    key the dict does not hold yet is refused in struct mode; `+` is refused for one it holds)."""
+    return "++" + override if override.startswith(DICT_FIELDS) and "=" in override else override
 
 
 def fit_run(cfg: RunConfig) -> None:

@@ -8,6 +8,15 @@ FILE_TASKS = ("gsm8k", "math", "offline", "preference", "redteam")
 CHAT_TEMPLATE = {"false": "off", "off": "off", "no": "off", "true": "on", "on": "on", "yes": "on",
                  "auto": "auto"}
 """Spellings `task.chat_template` accepts (yaml booleans arrive as "True"/"False"), normalised."""
+TASK_COLUMNS: dict[str, tuple[str, ...]] = {
+    "gsm8k": ("question", "answer"),
+    "math": ("problem", "solution", "answer", "level", "type"),
+    "preference": ("prompt", "reference"),
+    "redteam": ("prompt", "answer"),
+    "offline": ("prompt", "response", "reward", "logp_behavior", "logp_ref", "advantage",
+                "logp_temperature"),
+}
+"""The fields each file-backed task reads from a row (the keys `task.columns` may map)."""
 REWARD_DEVICES = ("auto", "cpu", "cuda")
 REWARD_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -27,7 +36,18 @@ class TaskConfig:
     seed: int = 1234
     """Seed of the generated data set."""
     path: str = ""
-    """Data file or directory for file-backed tasks (gsm8k, math: see tasks.records.split_files)."""
+    """Data file or directory for file-backed tasks: a file, a `{split}` path, or a folder in the
+    hub's / datasets' layouts (a hub download or cache entry, save_to_disk output; tasks.layout)."""
+    subset: str = ""
+    """The config sub-folder to read where the data set has several (openai/gsm8k: main or
+    socratic); empty = the only one holding the split. Ignored by a data set without them."""
+    split_train: str = "train"
+    """Name of the data set's split that training reads (prompts("train"))."""
+    split_test: str = "test"
+    """Name of the data set's split that evaluation reads (e.g. validation, test)."""
+    columns: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Task field -> the data's column name, e.g. task.columns.question=problem; fields per task
+    in TASK_COLUMNS. Checked against the first row when the task is built."""
     prompt_template: str = "[MATH TASK] Problem:\n{question}\n\nSolution:\n"
     """gsm8k, math: how a question becomes a prompt; `{question}` is replaced (TBA's format)."""
     max_prompts: int = 0
@@ -71,6 +91,20 @@ class TaskConfig:
         if self.name in FILE_TASKS and not self.path:
             raise ValueError(f"task {self.name!r} reads local files: set task.path to the data "
                              "directory or file (e.g. task.path=/data/gsm8k)")
+        if self.columns:
+            fields = TASK_COLUMNS.get(self.name)
+            if fields is None:
+                raise ValueError(f"task.columns is set but task {self.name!r} reads no files")
+            unknown = sorted(set(self.columns) - set(fields))
+            if unknown:
+                raise ValueError(f"task.columns.{unknown[0]}: task {self.name!r} has no field "
+                                 f"{unknown[0]!r}; its fields are {', '.join(fields)}")
+            empty = sorted(k for k, v in self.columns.items() if not str(v).strip())
+            if empty:
+                raise ValueError(f"task.columns.{empty[0]} is empty: name the data's column")
+        if not str(self.split_train).strip() or not str(self.split_test).strip():
+            raise ValueError("task.split_train and task.split_test must name splits (e.g. train, "
+                             "test, validation)")
         if "{question}" not in self.prompt_template:
             raise ValueError("task.prompt_template must contain `{question}` (where the question "
                              "goes)")

@@ -76,7 +76,8 @@ def preprocess_file(path: str, model_path: str, *, temperature: float, task_cfg=
     tok = AutoTokenizer.from_pretrained(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     fmt = _formatter(build_task(task_cfg, tokenizer=tok)) if task_cfg is not None else (lambda t: t)
-    rows = read_offline(path)
+    columns = task_cfg.columns if task_cfg is not None else {}
+    rows = read_offline(path, columns)
     prompts = list(dict.fromkeys(r.prompt for r in rows))
     hidden = torch.cat([prompt_hidden(model, tok, [fmt(p) for p in prompts[i:i + batch_size]])
                         for i in range(0, len(prompts), batch_size)])
@@ -92,7 +93,7 @@ def preprocess_file(path: str, model_path: str, *, temperature: float, task_cfg=
         return sequence_logprobs(model, tok, [fmt(p) for p in ps], rs, temperature=temperature)
 
     return str(preprocess(path, behavior_fn=logp_fn, ref_fn=logp_fn, value_fn=value_fn,
-                          batch_size=batch_size, temperature=temperature))
+                          batch_size=batch_size, temperature=temperature, columns=columns))
 
 
 def _formatter(task):
@@ -125,7 +126,8 @@ def fill_shard(shard, task, tok, *, needs: Sequence[str], temperature: float) ->
 
     source = task.cfg.path
     pre = preprocessed_path(source) if os.path.isfile(source) else None
-    examples = read_offline(pre) if pre is not None and pre.exists() else task.examples("train")
+    examples = (read_offline(pre, task.cfg.columns) if pre is not None and pre.exists()
+                else task.examples("train"))
     require_fields(examples, *needs)
     # The learner uses the file's log μ only (it scores π_ref itself, at its own temperature).
     check_temperature(examples, temperature, fields=("logp_behavior",))

@@ -8,6 +8,7 @@ from hpc_tba.config import TaskConfig
 from hpc_tba.tasks.arithmetic import ArithmeticTask
 from hpc_tba.tasks.base import Prompt, RewardRange, Task
 from hpc_tba.tasks.chat import PromptFormatter
+from hpc_tba.tasks.layout import check_columns
 from hpc_tba.tasks.math import GSM8KTask, MathTask
 from hpc_tba.tasks.offline import OfflineTask
 from hpc_tba.tasks.preference import PreferenceTask
@@ -26,9 +27,11 @@ TASKS: dict[str, Callable[[TaskConfig], Task]] = {
 def build_task(cfg: TaskConfig, *, tokenizer: Any = None, device: str | None = None) -> Task:
     """The task of `cfg`. `tokenizer` (a tokenizer or the model's directory) formats prompts when
     task.chat_template is on/auto; `device` is the caller's device (the searcher's), where
-    reward and victim models go under task.reward_device=auto."""
+    reward and victim models go under task.reward_device=auto. A file-backed task's data is
+    checked against task.columns and its fields on the first row (tasks.layout.check_columns)."""
     if cfg.name not in TASKS:
         raise ValueError(f"task.name={cfg.name!r} is not one of {', '.join(sorted(TASKS))}")
+    check_columns(cfg)
     if cfg.chat_template != "off" and tokenizer is None:
         raise ValueError(f"task.chat_template={cfg.chat_template} needs the model's tokenizer to "
                          "format prompts: build_task(cfg, tokenizer=<model directory>)")
@@ -50,4 +53,4 @@ def reward_range(cfg: TaskConfig) -> RewardRange | None:
     return None if cls is None else cls.reward_range
 
 
-__all__ = ["Prompt", "RewardRange", "Task", "TASKS", "build_task", "reward_range"]
+__all__ = ["Prompt", "RewardRange", "Task", "TASKS", "build_task", "check_columns", "reward_range"]

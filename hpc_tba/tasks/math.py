@@ -6,10 +6,13 @@
   instead of the boxed one. `level`/`type` are optional but must be strings (or, for `level`, an
   int) when present.
 
-Files are found by `task.path` (see `records.split_files`): a directory holding `train.jsonl` /
-`test.jsonl` (or `.json`, `.parquet`, Hugging Face `train-00000-of-00001.parquet` shards, or the
-original MATH archive's `train/<type>/<n>.json`), a path with `{split}` in it, or one file that
-serves every split. Prompts use TBA's format `[MATH TASK] Problem:\\n{question}\\n\\nSolution:\\n`
+Files are found by `task.path` (see `tasks.layout`): a directory holding `train.jsonl` /
+`test.jsonl` (or `.json`, `.parquet`, `.arrow`, `.csv`, Hugging Face `train-00000-of-00001.parquet`
+shards, or the original MATH archive's `train/<type>/<n>.json`), a hub download of openai/gsm8k
+(`main/train-00000-of-00001.parquet`; task.subset picks main or socratic), a `datasets`
+save_to_disk folder, a path with `{split}` in it, or one file that serves every split. Columns
+named otherwise are mapped with task.columns (e.g. task.columns.question=problem). Prompts use
+TBA's format `[MATH TASK] Problem:\\n{question}\\n\\nSolution:\\n`
 (`task.prompt_template`). Reward 1.0 if the answer extracted from the response equals the
 reference (tasks.math_answers: exact rationals, no eval of model output), else 0.0.
 
@@ -25,6 +28,7 @@ import numpy as np
 
 from hpc_tba.config import TaskConfig
 from hpc_tba.tasks.base import BINARY, Prompt, Task
+from hpc_tba.tasks.layout import task_rows
 from hpc_tba.tasks.math_answers import (
     answers_equal,
     extract_answer,
@@ -33,7 +37,7 @@ from hpc_tba.tasks.math_answers import (
     normalize_answer,
     parse_number,
 )
-from hpc_tba.tasks.records import DataError, Row, get_str, read_rows, split_files
+from hpc_tba.tasks.records import DataError, Row, get_str
 
 STOP_MARKER = "[MATH TASK]"
 """A response that goes on to pose a new problem is cut here before its answer is read."""
@@ -60,13 +64,12 @@ class MathTask(Task):
 
     def _load(self, split: str) -> list[Prompt]:
         out: list[Prompt] = []
-        for path in split_files(self.cfg.path, split):
-            for line, row in read_rows(path):
-                question = get_str(path, line, row, self.question_field)
-                text = self.cfg.prompt_template.replace("{question}", question)
-                out.append(Prompt(len(out), text, self.reference(path, line, row)))
-                if self.cfg.max_prompts and len(out) >= self.cfg.max_prompts:
-                    return out
+        for path, line, row in task_rows(self.cfg, split):
+            question = get_str(path, line, row, self.question_field)
+            text = self.cfg.prompt_template.replace("{question}", question)
+            out.append(Prompt(len(out), text, self.reference(path, line, row)))
+            if self.cfg.max_prompts and len(out) >= self.cfg.max_prompts:
+                return out  # streamed: the rest of the files is never read
         return out
 
     def reference(self, path: Path, line: int, row: Row) -> str:

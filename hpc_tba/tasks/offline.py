@@ -30,20 +30,22 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
 
 from hpc_tba.config import TaskConfig
 from hpc_tba.tasks.base import Prompt, Task
+from hpc_tba.tasks.layout import task_files
 from hpc_tba.tasks.records import (
     DataError,
     Row,
     get_float,
     get_str,
+    iter_rows,
+    mapped,
     read_rows,
-    split_files,
     write_jsonl,
 )
 
@@ -86,9 +88,11 @@ def parse_row(path: str | Path, line: int, row: Row) -> OfflineExample:
                           reward=reward, source=f"{path}:{line}", **opt)
 
 
-def read_offline(path: str | Path) -> list[OfflineExample]:
-    """Every row of an offline data file, validated (see the module docstring for the format)."""
-    return [parse_row(path, line, row) for line, row in read_rows(path)]
+def read_offline(path: str | Path, columns: Mapping[str, str] | None = None) -> list[OfflineExample]:
+    """Every row of an offline data file, validated (see the module docstring for the format);
+    `columns` (task.columns) maps the fields to the file's column names."""
+    return [parse_row(path, line, mapped(path, line, row, columns or {}))
+            for line, row in iter_rows(path)]
 
 
 def write_offline(path: str | Path, examples: Iterable[OfflineExample]) -> Path:
@@ -175,18 +179,23 @@ def preprocessed_path(path: str | Path) -> Path:
 def preprocess(path: str | Path, *, behavior_fn: LogProbFn | None = None,
                ref_fn: LogProbFn | None = None, value_fn: ValueFn | None = None,
                out: str | Path | None = None, batch_size: int = 32,
-               recompute: bool = False, temperature: float | None = None) -> Path:
+               recompute: bool = False, temperature: float | None = None,
+               columns: Mapping[str, str] | None = None) -> Path:
     """Fill in missing logp_behavior / logp_ref / advantage and write all rows next to the data.
 
     Only rows whose field is absent or null are computed (all rows with `recompute=True`), so an
     interrupted or partial pass can be resumed by preprocessing its own output. `value_fn` is
     called once per distinct prompt; advantage = reward − V(prompt). Returns the output path.
+    With `columns` (task.columns) the rows are read through the mapping and the computed fields
+    written under their mapped column names, so the output reads back with the same mapping.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    columns = dict(columns or {})
     raw = read_rows(path)
-    examples = [parse_row(path, line, row) for line, row in raw]
+    examples = [parse_row(path, line, mapped(path, line, row, columns)) for line, row in raw]
     rows = [dict(row) for _, row in raw]
+    col = {f: columns.get(f, f) for f in (*OPTIONAL_FIELDS, "advantage")}
     stale = {i for i, ex in enumerate(examples) if temperature is not None and
              ex.logp_temperature is not None and ex.logp_temperature != temperature}
     computed: dict[str, set[int]] = {}
@@ -200,7 +209,7 @@ def preprocess(path: str | Path, *, behavior_fn: LogProbFn | None = None,
                                                 [examples[i].response for i in idx]),
                           todo, batch_size, field)
         for i, v in zip(todo, values):
-            rows[i][field] = v
+            rows[i][col[field]] = v
     if value_fn is not None:
         todo = [i for i, ex in enumerate(examples) if recompute or ex.advantage is None]
         prompts = list(dict.fromkeys(examples[i].prompt for i in todo))
@@ -208,24 +217,25 @@ def preprocess(path: str | Path, *, behavior_fn: LogProbFn | None = None,
                           list(range(len(prompts))), batch_size, "value")
         value_of = dict(zip(prompts, values))
         for i in todo:
-            rows[i]["advantage"] = examples[i].reward - value_of[examples[i].prompt]
+            rows[i][col["advantage"]] = examples[i].reward - value_of[examples[i].prompt]
     if temperature is not None:
-        _stamp_temperature(examples, rows, computed, temperature)
+        _stamp_temperature(examples, rows, computed, temperature, col)
     return write_jsonl(out or preprocessed_path(path), rows)
 
 
 def _stamp_temperature(examples: Sequence[OfflineExample], rows: list[Row],
-                       computed: dict[str, set[int]], temperature: float) -> None:
+                       computed: dict[str, set[int]], temperature: float,
+                       col: Mapping[str, str]) -> None:
     """Record `logp_temperature` on rows whose every log-prob is now under `temperature`; a row
     still holding a log-prob given without a temperature is left unstamped (and so refused by
     the learner until the file says which temperature it is under)."""
     for i, ex in enumerate(examples):
         known = ex.logp_temperature == temperature
-        if all(rows[i].get(f) is None or i in computed.get(f, ()) or known for f in LOGP_FIELDS):
-            if any(rows[i].get(f) is not None for f in LOGP_FIELDS):
-                rows[i]["logp_temperature"] = temperature
+        if all(rows[i].get(col[f]) is None or i in computed.get(f, ()) or known for f in LOGP_FIELDS):
+            if any(rows[i].get(col[f]) is not None for f in LOGP_FIELDS):
+                rows[i][col["logp_temperature"]] = temperature
         else:
-            rows[i].pop("logp_temperature", None)
+            rows[i].pop(col["logp_temperature"], None)
 
 
 def check_temperature(examples: Sequence[OfflineExample], temperature: float,
@@ -288,7 +298,7 @@ def require_fields(examples: Sequence[OfflineExample], *fields: str) -> None:
 class OfflineTask(Task):
     """`task=offline`: a fixed file of scored responses (TOPR, A-LoL train on it with no searcher).
 
-    `task.path` follows `records.split_files` (a file, a `{split}` path, or a directory with
+    `task.path` follows `tasks.layout` (a file, a `{split}` path, or a directory with
     `train.jsonl`...). `examples(split)` are the rows, curated by `task.curation`; `prompts(split)`
     the distinct prompts in file order. There is no reward model: `score` returns the file's reward
     for a (prompt, response) pair it holds and raises for any other, which `Task.rewards` counts
@@ -307,7 +317,8 @@ class OfflineTask(Task):
     def examples(self, split: str = "train") -> list[OfflineExample]:
         """The split's rows, curated by task.curation, from at most task.max_prompts prompts."""
         if split not in self._cache:
-            rows = [ex for f in split_files(self.cfg.path, split) for ex in read_offline(f)]
+            rows = [ex for f in task_files(self.cfg, split)
+                    for ex in read_offline(f, self.cfg.columns)]
             if self.cfg.curation == "anna_karenina":
                 rows = anna_karenina(rows)
             if self.cfg.max_prompts:

@@ -10,8 +10,10 @@
   learn to ramble. The text alone cannot tell whether generation stopped, so the caller passes
   `finished` (vLLM's finish_reason == "stop") to `rewards(..., finished=...)`;
   `task.unfinished_penalty` (default 1.0 [unverified]) is subtracted where it is False.
-- Data: `{split}.jsonl` (see records.split_files) with rows `{"prompt": str, "reference": str?}`;
-  `reference` is a human-written response used by `win_rate`.
+- Data: a split in any layout tasks.layout reads (`train.jsonl`, a hub download's parquet shards)
+  with rows `{"prompt": str, "reference": str?}`; `reference` is a human-written response used by
+  `win_rate`. Other column names are mapped with task.columns (trl-lib/tldr's
+  `task.columns.reference=completion`); `hpc-tba data tldr` converts the other TL;DR layouts.
 - `win_rate`: fraction of prompts where the policy's response scores above the reference (ties
   count half), the reward model acting as judge. A separate judge model is not wired here.
 
@@ -27,7 +29,8 @@ import numpy as np
 from hpc_tba.config import TaskConfig
 from hpc_tba.tasks.base import Prompt, Task
 from hpc_tba.tasks.chat import ensure_pad_token
-from hpc_tba.tasks.records import DataError, get_str, read_rows, split_files
+from hpc_tba.tasks.layout import task_rows
+from hpc_tba.tasks.records import DataError, get_str
 
 
 def reward_placement(cfg: TaskConfig, caller_device: str | None) -> tuple[str, str]:
@@ -103,14 +106,14 @@ class RewardModel:
 
 
 def load_prompts(cfg: TaskConfig, split: str, *, answer_field: str) -> list[Prompt]:
-    """Rows `{"prompt": str, <answer_field>: str?}` of a split, as Prompts (ids 0..n-1)."""
+    """Rows `{"prompt": str, <answer_field>: str?}` of a split (columns mapped by task.columns),
+    as Prompts (ids 0..n-1)."""
     out: list[Prompt] = []
-    for path in split_files(cfg.path, split):
-        for line, row in read_rows(path):
-            answer = get_str(path, line, row, answer_field) if answer_field in row else ""
-            out.append(Prompt(len(out), get_str(path, line, row, "prompt"), answer))
-            if cfg.max_prompts and len(out) >= cfg.max_prompts:
-                return out
+    for path, line, row in task_rows(cfg, split):
+        answer = get_str(path, line, row, answer_field) if answer_field in row else ""
+        out.append(Prompt(len(out), get_str(path, line, row, "prompt"), answer))
+        if cfg.max_prompts and len(out) >= cfg.max_prompts:
+            return out
     return out
 
 

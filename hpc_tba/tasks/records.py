@@ -1,24 +1,35 @@
-"""Reading user data files (JSONL, parquet, JSON) into rows; errors name the file, line and field.
+"""Reading user data files into rows; errors name the file, line (or row) and field.
 
 Users bring their data sets as local files (compute nodes are usually offline), so the first thing
 that goes wrong is the file itself. Every row comes back with its 1-based line number (JSONL) or
-row number (parquet, JSON list) so that a validation error can point at the exact place.
+row number (parquet, Arrow, CSV, a JSON list) so that a validation error can point at the exact
+place. `iter_rows` streams: it holds one line (JSON Lines) or one record batch of one shard
+(parquet, Arrow, CSV) at a time, so a large file costs only the rows the task keeps.
 
-Parquet needs `pyarrow`, which hpc_tba does not depend on: reading a parquet file without it
-raises a DataError that says which package to install.
+- parquet, Arrow (`datasets.save_to_disk` shards) and CSV go through `datasets` (streaming: its
+  `parquet` / `arrow` / `csv` builders, one file at a time so that an error names the file);
+- JSON Lines (also gzipped, as Anthropic/hh-rlhf serves them) and JSON are read here line by line:
+  the error must name the line, and a column whose type changes from row to row (a number in one
+  row, a string in the next) must be the row's error, not a schema clash in the whole file.
+
+`columns` (task.columns) maps the task's field names to the file's column names: a row is read
+with `mapped(...)`, which copies each mapped column under its field name.
 """
 from __future__ import annotations
 
+import gzip
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 Row = dict[str, Any]
 
-SUFFIXES = (".jsonl", ".json", ".parquet")
+SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow", ".csv", ".jsonl.gz", ".json.gz")
 """File types `read_rows` understands."""
+BUILDERS = {".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
+"""Suffix -> the `datasets` packaged builder that reads it."""
 
 
 class DataError(ValueError):
@@ -32,51 +43,84 @@ class DataError(ValueError):
         self.path, self.line, self.field = str(path), line, field
 
 
-def read_rows(path: str | Path) -> list[tuple[int, Row]]:
-    """All rows of a JSONL, JSON (a list of objects or one object) or parquet file, numbered.
+def data_suffix(path: str | Path) -> str:
+    """The data suffix of a file name (`.jsonl.gz` as a whole), or "" if it is not a data file."""
+    name = Path(path).name.lower()
+    return max((s for s in SUFFIXES if name.endswith(s)), key=len, default="")
 
-    Returns (line, row) pairs: the line number in a JSONL file (blank lines skipped but counted),
-    else the 1-based row number. Raises DataError for an unreadable file, a row that is not a JSON
-    object, or a file with no rows at all (an empty split is always a mistake).
-    """
+
+def read_rows(path: str | Path) -> list[tuple[int, Row]]:
+    """All rows of a data file (SUFFIXES), numbered: `list(iter_rows(path))`."""
+    return list(iter_rows(path))
+
+
+def iter_rows(path: str | Path) -> Iterator[tuple[int, Row]]:
+    """The rows of a JSONL, JSON (a list of objects or one object), parquet, Arrow or CSV file.
+
+    Yields (line, row) pairs: the line number in a JSONL file (blank lines skipped but counted),
+    else the 1-based row number. Raises DataError for an unreadable file, a row that is not an
+    object, or a file with no rows at all (an empty split is always a mistake)."""
     path = Path(path)
     if not path.is_file():
         raise DataError(path, "no such file")
-    suffix = path.suffix.lower()
-    if suffix == ".jsonl":
-        rows = list(_read_jsonl(path))
-    elif suffix == ".json":
-        rows = _read_json(path)
-    elif suffix == ".parquet":
-        rows = _read_parquet(path)
+    suffix = data_suffix(path)
+    if suffix in (".jsonl", ".jsonl.gz"):
+        rows = _read_jsonl(path)
+    elif suffix in (".json", ".json.gz"):
+        rows = iter(_read_json(path))
+    elif suffix in BUILDERS:
+        rows = _read_datasets(path, BUILDERS[suffix])
     else:
-        raise DataError(path, f"unknown file type {suffix!r}; expected one of "
+        raise DataError(path, f"unknown file type {path.suffix.lower()!r}; expected one of "
                               f"{', '.join(SUFFIXES)}")
-    if not rows:
+    empty = True
+    for n, row in rows:
+        empty = False
+        yield n, row
+    if empty:
         raise DataError(path, "the file holds no rows")
-    return rows
+
+
+def first_row(path: str | Path) -> Row:
+    """The first row of a data file (reads no further)."""
+    for _, row in iter_rows(path):
+        return row
+    raise AssertionError("unreachable: iter_rows raises on an empty file")
+
+
+def _open_text(path: Path):
+    if path.name.lower().endswith(".gz"):
+        return gzip.open(path, "rt", encoding="utf-8")
+    return open(path, encoding="utf-8")
 
 
 def _read_jsonl(path: Path) -> Iterator[tuple[int, Row]]:
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(path, f"not valid JSON ({e.msg} at column {e.colno})",
-                                line=n) from None
-            if not isinstance(row, dict):
-                raise DataError(path, f"expected a JSON object, got {type(row).__name__}", line=n)
-            yield n, row
+    with _open_text(path) as f:
+        try:
+            for n, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(path, f"not valid JSON ({e.msg} at column {e.colno})",
+                                    line=n) from None
+                if not isinstance(row, dict):
+                    raise DataError(path, f"expected a JSON object, got {type(row).__name__}",
+                                    line=n)
+                yield n, row
+        except (OSError, EOFError, UnicodeDecodeError) as e:
+            raise DataError(path, f"cannot be read ({e})") from None
 
 
 def _read_json(path: Path) -> list[tuple[int, Row]]:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        with _open_text(path) as f:
+            data = json.loads(f.read())
     except json.JSONDecodeError as e:
         raise DataError(path, f"not valid JSON ({e.msg})", line=e.lineno) from None
+    except (OSError, EOFError, UnicodeDecodeError) as e:
+        raise DataError(path, f"cannot be read ({e})") from None
     items = data if isinstance(data, list) else [data]
     for n, row in enumerate(items, start=1):
         if not isinstance(row, dict):
@@ -84,18 +128,36 @@ def _read_json(path: Path) -> list[tuple[int, Row]]:
     return list(enumerate(items, start=1))
 
 
-def _read_parquet(path: Path) -> list[tuple[int, Row]]:
+def _read_datasets(path: Path, builder: str) -> Iterator[tuple[int, Row]]:
+    """Rows of one parquet / Arrow / CSV file through `datasets`, streamed (no cache written)."""
     try:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
+        import datasets
     except ImportError:
-        raise DataError(path, "reading parquet needs the `pyarrow` package (pip install pyarrow), "
-                              "or convert the file to JSONL") from None
+        raise DataError(path, f"reading {builder} files needs the `datasets` package (a dependency "
+                              "of hpc_tba: pip install datasets), or convert the file to JSONL") from None
     try:
-        table = pq.read_table(path)
-    except (OSError, ValueError, pa.ArrowException) as e:
-        raise DataError(path, f"not a readable parquet file ({e})") from None
-    return list(enumerate(table.to_pylist(), start=1))
+        # `split="train"` is the builder's name for all rows of the files given, not our split.
+        ds = datasets.load_dataset(builder, data_files=[str(path)], split="train", streaming=True)
+        yield from enumerate(ds, start=1)
+    except DataError:
+        raise
+    except Exception as e:  # noqa: BLE001 - pyarrow / datasets raise many types for a bad file
+        raise DataError(path, f"not a readable {builder} file ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''})") from None
+
+
+def mapped(path: str | Path, line: int, row: Row, columns: Mapping[str, str]) -> Row:
+    """`row` with each mapped column copied under its task field name (task.columns); a DataError
+    naming the file, line, field and the row's columns when a mapped column is missing."""
+    if not columns:
+        return row
+    out = dict(row)
+    for field, column in columns.items():
+        if column not in row:
+            raise DataError(path, f"column {column!r} (task.columns.{field}) missing; the row has "
+                                  f"{', '.join(sorted(row)) or 'no fields'}", line=line, field=field)
+        out[field] = row[column]
+    return out
 
 
 def write_jsonl(path: str | Path, rows: list[Row]) -> Path:
@@ -136,33 +198,3 @@ def get_float(path: str | Path, line: int, row: Row, field: str, *,
     if not math.isfinite(value):
         raise DataError(path, f"must be finite, got {value}", line=line, field=field)
     return float(value)
-
-
-def split_files(path: str | Path, split: str) -> list[Path]:
-    """The file(s) holding `split` of a data set at `path`, by convention.
-
-    - a path containing `{split}` (e.g. `data/gsm8k/{split}.jsonl`): that path with the split name;
-    - a file: that file, whatever the split (for a data set used for one purpose only);
-    - a directory: the first that exists of `<split>.jsonl`, `<split>.json`, `<split>.parquet`,
-      `<split>-*.parquet` (Hugging Face shards, in name order), `<split>/**/*.json` (the original
-      MATH archive: one problem per file).
-    Raises DataError naming what was looked for when nothing matches.
-    """
-    if "{split}" in str(path):
-        path = Path(str(path).replace("{split}", split))
-        if not path.is_file():
-            raise DataError(path, f"no such file for split {split!r}")
-        return [path]
-    path = Path(path).expanduser()
-    if path.is_file():
-        return [path]
-    if not path.is_dir():
-        raise DataError(path, "no such file or directory")
-    for name in (f"{split}.jsonl", f"{split}.json", f"{split}.parquet"):
-        if (path / name).is_file():
-            return [path / name]
-    for found in (sorted(path.glob(f"{split}-*.parquet")), sorted(path.glob(f"{split}/**/*.json"))):
-        if found:
-            return found
-    raise DataError(path, f"no file for split {split!r}: looked for {split}.jsonl, {split}.json, "
-                          f"{split}.parquet, {split}-*.parquet and {split}/**/*.json")
