@@ -4,6 +4,7 @@
     hpc-tba plan +experiment=tba_70b      # layout and per-GPU memory before queueing a job
     hpc-tba report RUN_DIR [RUN_DIR ...]  # draw report.png again, or overlay several runs
     hpc-tba status RUN_DIR                # step, version, buffer, checkpoint, pass@1 of a run
+    hpc-tba data {show,hh-rlhf,tldr} ...  # look at / convert a downloaded data set (data_cli)
 
 The terminal shows our own lines only; every rank's third-party output is in
 `<run_dir>/logs/rank<N>.log` (`-v` / HPC_TBA_VERBOSE=1 shows it live too; hpc_tba.console).
@@ -14,7 +15,7 @@ import os
 import subprocess
 import sys
 
-USAGE = "usage: hpc-tba {train,plan,eval,preprocess,report,status} [-v] [hydra overrides ...]"
+USAGE = "usage: hpc-tba {train,plan,eval,preprocess,report,status,data} [-v] [hydra overrides ...]"
 
 
 def train(overrides: list[str], *, verbose: bool = False) -> int:
@@ -24,6 +25,7 @@ def train(overrides: list[str], *, verbose: bool = False) -> int:
     from hpc_tba.models.tiny import resolve_model_path
 
     cfg = compose(overrides)
+    check_data(cfg.task, required=cfg.cluster.backend == "local")
     if cfg.cluster.backend != "local":
         from hpc_tba.launcher import submit
 
@@ -61,6 +63,21 @@ def train(overrides: list[str], *, verbose: bool = False) -> int:
     print(f"hpc-tba: starting {cfg.cluster.world_size} ranks with {os.path.basename(mpiexec)}",
           file=sys.stderr, flush=True)
     return job_result(cfg.run_dir, subprocess.call(cmd, env=env))
+
+
+def check_data(task_cfg, *, required: bool) -> None:
+    """Refuse, before any rank starts, a file-backed task whose data lacks its fields or the
+    task.columns it maps (first row; tasks.layout.check_columns). A Slurm submission checks only
+    data this machine sees (a login node may not mount the compute nodes' paths)."""
+    from hpc_tba.tasks.layout import check_columns
+    from hpc_tba.tasks.records import DataError
+
+    if not task_cfg.path or (not required and not os.path.exists(task_cfg.path.split("{split}")[0])):
+        return
+    try:
+        check_columns(task_cfg)
+    except DataError as e:
+        raise SystemExit(f"hpc-tba: {e}") from None
 
 
 def job_result(run_dir: str, code: int) -> int:
@@ -126,6 +143,10 @@ def main(argv: list[str] | None = None) -> int:
             from hpc_tba.eval_cli import eval_main
 
             return eval_main(argv)
+        if cmd == "data":
+            from hpc_tba.data_cli import data_main
+
+            return data_main(argv)
     except (ConfigError, LayoutError, FileNotFoundError) as e:
         print(f"hpc-tba: {e}", file=sys.stderr)
         return 2

@@ -29,6 +29,7 @@ LAYERS: dict[str, int] = {
     # 5 entry points
     "hpc_tba": 5, "hpc_tba.__main__": 5, "hpc_tba.cli": 5, "hpc_tba.run": 5,
     "hpc_tba.launcher": 5, "hpc_tba.launcher.submit": 5, "hpc_tba.launcher.scripts": 5, "hpc_tba.eval_cli": 5,
+    "hpc_tba.data_cli": 5,
     "hpc_tba.status": 5, "hpc_tba.plots": 5,
 }
 

@@ -80,6 +80,32 @@ def split_files(path: str | Path, split: str, *, subset: str = "") -> list[Path]
     raise DataError(root, missing_split_message(root, split))
 
 
+def sources(path: str | Path, split: str, subsets: list[str] | tuple[str, ...] = ()) -> list[Path]:
+    """The files of `split` across config sub-folders (for converters): those of each named
+    subset, in order; none named: the folder's own, else every sub-folder holding the split."""
+    if subsets:
+        return [f for s in subsets for f in split_files(path, split, subset=s)]
+    root = Path(path).expanduser()
+    if root.is_dir():
+        root = snapshot_of(root)
+        if _direct(root, split) is None:
+            holding = [s for s in _subsets(root) if _direct(root / s, split) is not None]
+            if holding:
+                return [f for s in holding for f in _direct(root / s, split) or []]
+    return split_files(path, split)
+
+
+def describe(path: str | Path) -> dict[str, list[str]]:
+    """{"<subset or .>": [splits found]} of a data set folder (for `hpc-tba data show`)."""
+    root = Path(path).expanduser()
+    if not root.is_dir():
+        return {".": ["(one file: every split)"]}
+    root = snapshot_of(root)
+    out = {".": splits_found(root)} if splits_found(root) else {}
+    out.update({s: splits_found(root / s) for s in _subsets(root)})
+    return out
+
+
 def missing_split_message(root: Path, split: str) -> str:
     """`no file for split ...`: what was looked for, the splits and sub-folders found."""
     ext = ", ".join(f"{split}{s}" for s in SUFFIXES[:4])
