@@ -56,7 +56,7 @@ def test_hh_rlhf_converted_trains_offline(algo, tmp_path):
     data = tmp_path / "hh" / "train.jsonl"
     offline = ["task=offline", "cluster.num_searchers=0", "searcher.temperature=1.0", "searcher.k=2",
                "learner.total_steps=2", "learner.prompts_per_step=2", "learner.eval_every=0",
-               "learner.export_final=false"]
+               "learner.export_final=false", "buffer.warm_start=8"]
     if algo == "alol":
         _run("preprocess", "algo=alol", *offline, f"task.path={data}")
         data = data.with_name("train.preprocessed.jsonl")
@@ -66,18 +66,17 @@ def test_hh_rlhf_converted_trains_offline(algo, tmp_path):
 
 @pytest.mark.long
 def test_tldr_converted_trains_with_a_reward_model(tmp_path):
-    from test_data_convert import PROMPT
-
     from hpc_tba.models.stand_ins import build_reward_model
 
     src = tmp_path / "tldr-src"
-    rows = [{"post": f"post {i}: we used to talk", "title": f"t{i}", "subreddit": "r",
-             "summary": "friend ignores me"} for i in range(8)]
+    # post/summary rows, short: the embedded model's character-level context is 64 tokens
+    rows = [{"post": f"{i} + {i}", "summary": f"{2 * i}"} for i in range(8)]
     for split in ("train", "test"):
         (src / "data").mkdir(parents=True, exist_ok=True)
         (src / "data" / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     _run("data", "tldr", str(src), str(tmp_path / "tldr"))
-    assert PROMPT.startswith("SUBREDDIT: r/")
+    assert json.loads((tmp_path / "tldr" / "train.jsonl").read_text().splitlines()[1]) == \
+        {"prompt": "POST: 1 + 1\n\nTL;DR:", "reference": " 2"}
     rm = build_reward_model(tmp_path / "rm", "gpt_neox")
     _run("train", "task=preference", f"task.path={tmp_path / 'tldr'}", f"task.reward_model={rm}",
          *SHORT, f"run_dir={tmp_path / 'run'}")

@@ -230,6 +230,8 @@ REQUIRED: dict[str, tuple[str | tuple[str, ...], ...]] = {
     "offline": ("prompt", "response", "reward"),
 }
 """Fields every row of a file-backed task must have (a tuple: one of them)."""
+COMPUTED = {"offline": ("logp_behavior", "logp_ref", "advantage", "logp_temperature")}
+"""Fields whose mapped column may be absent: `hpc-tba preprocess` writes them under that name."""
 
 
 def split_name(cfg, split: str) -> str:
@@ -269,11 +271,12 @@ def check_columns(cfg) -> None:
     path = files[0]
     row = first_row(path)
     found = ", ".join(sorted(row)) or "none"
+    computed = COMPUTED.get(cfg.name, ())
     for field, column in cfg.columns.items():
-        if column not in row:
+        if column not in row and field not in computed:
             raise DataError(path, f"task.columns.{field}={column!r}: no such column; the columns "
                                   f"found are {found}", field=field)
-    row = mapped(path, 1, row, cfg.columns)
+    row = mapped(path, 1, row, cfg.columns, computed)
     for need in REQUIRED[cfg.name]:
         alts = need if isinstance(need, tuple) else (need,)
         if not any(a in row for a in alts):

@@ -91,7 +91,7 @@ def parse_row(path: str | Path, line: int, row: Row) -> OfflineExample:
 def read_offline(path: str | Path, columns: Mapping[str, str] | None = None) -> list[OfflineExample]:
     """Every row of an offline data file, validated (see the module docstring for the format);
     `columns` (task.columns) maps the fields to the file's column names."""
-    return [parse_row(path, line, mapped(path, line, row, columns or {}))
+    return [parse_row(path, line, mapped(path, line, row, columns or {}, OPTIONAL_FIELDS))
             for line, row in iter_rows(path)]
 
 
@@ -193,7 +193,8 @@ def preprocess(path: str | Path, *, behavior_fn: LogProbFn | None = None,
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     columns = dict(columns or {})
     raw = read_rows(path)
-    examples = [parse_row(path, line, mapped(path, line, row, columns)) for line, row in raw]
+    examples = [parse_row(path, line, mapped(path, line, row, columns, OPTIONAL_FIELDS))
+                for line, row in raw]
     rows = [dict(row) for _, row in raw]
     col = {f: columns.get(f, f) for f in (*OPTIONAL_FIELDS, "advantage")}
     stale = {i for i, ex in enumerate(examples) if temperature is not None and

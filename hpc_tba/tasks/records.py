@@ -20,7 +20,7 @@ from __future__ import annotations
 import gzip
 import json
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -146,13 +146,17 @@ def _read_datasets(path: Path, builder: str) -> Iterator[tuple[int, Row]]:
                               f"{str(e).splitlines()[0] if str(e) else ''})") from None
 
 
-def mapped(path: str | Path, line: int, row: Row, columns: Mapping[str, str]) -> Row:
+def mapped(path: str | Path, line: int, row: Row, columns: Mapping[str, str],
+           optional: Collection[str] = ()) -> Row:
     """`row` with each mapped column copied under its task field name (task.columns); a DataError
-    naming the file, line, field and the row's columns when a mapped column is missing."""
+    naming the file, line, field and the row's columns when a mapped column is missing (unless
+    its field is `optional`: computed later, as offline log-probs are by preprocessing)."""
     if not columns:
         return row
     out = dict(row)
     for field, column in columns.items():
+        if column not in row and field in optional:
+            continue
         if column not in row:
             raise DataError(path, f"column {column!r} (task.columns.{field}) missing; the row has "
                                   f"{', '.join(sorted(row)) or 'no fields'}", line=line, field=field)
