@@ -191,11 +191,11 @@ def test_columns_compose_from_the_command_line(tmp_path: Path) -> None:
 
 
 def test_a_large_sharded_file_is_streamed_one_record_batch_at_a_time(tmp_path: Path) -> None:
-    """4 shards x 4000 rows of ~1 KB (row groups of 250 rows): peak Arrow memory while reading
+    """4 shards x 2000 rows of ~1 KB (row groups of 250 rows): peak Arrow memory while reading
     the first rows and the whole split stays about one shard (measured 0.13-0.96 shard for the
-    first 10 rows, pyarrow reading ahead on its threads; 0.3-1.03 shard for all 16000), never the
+    first 10 rows, pyarrow reading ahead on its threads; 0.3-1.03 shard for all 8000), never the
     four files together."""
-    shard_rows, pad = 4000, "x" * 1000
+    shard_rows, pad = 2000, "x" * 1000
     for i in range(4):
         write_parquet(tmp_path / "big" / f"train-{i:05d}-of-00004.parquet",
                       [{"question": f"{pad} {i}-{j}", "answer": f"#### {j}"} for j in range(shard_rows)],
