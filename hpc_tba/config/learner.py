@@ -39,7 +39,8 @@ class LearnerConfig:
     warmup_steps: int = 10
     """Linear learning-rate warm-up steps."""
     grad_clip: float = 0.0
-    """Gradient-norm clip; 0 disables it (the TBA authors use none)."""
+    """Gradient-norm clip; 0 disables it (the TBA authors use none; always written to DeepSpeed,
+    whose own default would clip at 1.0)."""
     sync_every: int = 2
     """k: broadcast weights to the searchers every k learner steps (GSM8K: 2)."""
     sync_bucket_mb: float = 64.0

@@ -58,8 +58,9 @@ def deepspeed_config(cfg: LearnerConfig, *, micro_batch: int, train: bool) -> di
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
     }
-    if train and cfg.grad_clip > 0:
-        ds["gradient_clipping"] = cfg.grad_clip
+    # Always written: DeepSpeed's default (GRADIENT_CLIPPING_DEFAULT, 1.0 in 0.19.8) would clip
+    # every run that left it out, and learner.grad_clip=0 means no clipping (0.0 turns it off).
+    ds["gradient_clipping"] = float(cfg.grad_clip) if train else 0.0
     # A memory option DeepSpeed would not apply must not be dropped silently: the run would need
     # the device memory the user configured away.
     if cfg.offload_params and cfg.zero_stage != 3:
