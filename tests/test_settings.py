@@ -8,6 +8,8 @@ gradient of norm ~1,000.
 """
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from conftest import gloo_deepspeed, spawn_ranks
@@ -15,6 +17,14 @@ from conftest import gloo_deepspeed, spawn_ranks
 from hpc_tba.comm.groups import free_ports
 
 LR = 0.1
+
+
+@functools.cache
+def _cfg(*overrides: str):
+    """A composed run config (composed once per module: Hydra takes ~1 s; not modified)."""
+    from hpc_tba.assembly.compose import compose
+
+    return compose(list(overrides))
 
 
 def _sgd_step(cfg) -> dict:
@@ -42,12 +52,44 @@ def _sgd_step(cfg) -> dict:
     return {"step": (after - before).numpy(), "grad": grad.numpy(), "clip": engine.gradient_clipping()}
 
 
+def _effective(learner) -> dict:
+    """The settings a DeepSpeed engine built from the learner's config for `learner` runs with,
+    read back from the engine (a small module: the values do not depend on the model)."""
+    import deepspeed
+
+    from hpc_tba.roles.learner import deepspeed_config
+
+    dtype = torch.bfloat16 if learner.dtype == "bf16" else torch.float32
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)).to(dtype)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()),
+                                      config=deepspeed_config(learner, micro_batch=2, train=True))
+    opt = engine.optimizer
+    model_dtype, accum = engine.get_data_types()
+    return {"stage": engine.zero_optimization_stage(), "bf16": engine.bfloat16_enabled(),
+            "fp16": engine.fp16_enabled(), "clip": engine.gradient_clipping(),
+            "param_dtype": str(model_dtype), "grad_accum_dtype": str(accum),
+            # the ZeRO-3 partition buffer the micro-batches' gradients are summed into
+            "grad_buffer_dtype": str(opt.grad_partitions_flat_buffer.dtype),
+            "optimizer_accum_dtype": str(opt.gradient_accumulation_dtype),
+            "communication_dtype": str(engine.communication_data_type),
+            "persistence_threshold": engine.zero_param_persistence_threshold(),
+            # a 64-element weight: whole on every rank iff the threshold is >= 64
+            "persistent": [bool(p.ds_persist) for p in engine.module.parameters()],
+            "gradient_average": engine.gradient_average, "postscale": engine.postscale_gradients(),
+            "predivide": engine.gradient_predivide_factor(),
+            "quantized": [engine.zero_quantized_weights(), engine.zero_quantized_gradients(),
+                          engine.zero_quantized_nontrainable_weights()],
+            "weights": sorted({str(t.dtype) for p in engine.module.parameters() for t in (p, p.ds_tensor)})}
+
+
 def _worker(rank: int, port: int) -> dict:
     from hpc_tba.config import LearnerConfig
 
     gloo_deepspeed(rank, 1, port)
     return {"clip0": _sgd_step(LearnerConfig(grad_clip=0.0)),
-            "clip05": _sgd_step(LearnerConfig(grad_clip=0.5))}
+            "clip05": _sgd_step(LearnerConfig(grad_clip=0.5)),
+            "default": _effective(_cfg().learner),
+            "tba_70b": _effective(_cfg("+experiment=tba_70b").learner)}
 
 
 @pytest.fixture(scope="module")
@@ -64,3 +106,49 @@ def test_grad_clip_zero_means_no_clipping(engines):
     assert off["clip"] == 0.0 and on["clip"] == 0.5  # what the engine uses, read back
     g = on["grad"]
     np.testing.assert_allclose(on["step"], -LR * g * 0.5 / np.linalg.norm(g), rtol=1e-4, atol=1e-7)
+
+
+def _expected(learner) -> dict:
+    bf16 = learner.dtype == "bf16"
+    dtype = "torch.bfloat16" if bf16 else "torch.float32"
+    return {"stage": learner.zero_stage, "bf16": bf16, "fp16": False, "clip": learner.grad_clip,
+            "param_dtype": dtype, "grad_accum_dtype": "torch.float32",
+            "grad_buffer_dtype": "torch.float32", "optimizer_accum_dtype": "torch.float32",
+            "communication_dtype": dtype, "persistence_threshold": learner.param_persistence_threshold,
+            "persistent": [learner.param_persistence_threshold >= n for n in (64, 8, 64, 8)],
+            "gradient_average": True, "postscale": True, "predivide": 1.0,
+            "quantized": [False, False, False], "weights": [dtype]}
+
+
+@pytest.mark.parametrize("preset", ["default", "tba_70b"])
+def test_engine_runs_with_the_configured_settings(engines, preset):
+    """The default config (fp32, every parameter sharded) and the 70B preset's learner (bf16,
+    DeepSpeed's persistence threshold): what the built engine reports equals the config."""
+    learner = (_cfg() if preset == "default" else _cfg(f"+experiment={preset}")).learner
+    assert engines[preset] == _expected(learner)
+
+
+def test_the_70b_preset_deepspeed_config():
+    """The dict the 70B preset's learner hands DeepSpeed: every computing option explicit."""
+    from hpc_tba.planner import micro_batch_of
+    from hpc_tba.roles.learner import deepspeed_config
+
+    cfg = _cfg("+experiment=tba_70b")
+    ds = deepspeed_config(cfg.learner, micro_batch=micro_batch_of(cfg), train=True)
+    assert ds["gradient_clipping"] == 0.0 and ds["train_micro_batch_size_per_gpu"] == 8
+    assert ds["zero_optimization"]["stage"] == 3
+    assert ds["zero_optimization"]["stage3_param_persistence_threshold"] == 100_000
+    assert ds["bf16"]["enabled"] is True and ds["fp16"] == {"enabled": False}
+    assert ds["data_types"] == {"param_dtype": "bf16", "grad_accum_dtype": "fp32",
+                                "keep_in_fp32_modules": "auto"}
+    assert (ds["communication_data_type"], ds["gradient_allreduce_op"]) == ("bf16", "mean")
+    assert _cfg().learner.param_persistence_threshold == 0  # the embedded tiny model
+
+
+def test_bf16_without_zero_is_refused():
+    from hpc_tba.config import LearnerConfig
+    from hpc_tba.roles.learner import deepspeed_config
+
+    with pytest.raises(ValueError, match="learner.dtype=bf16 needs learner.zero_stage 1-3"):
+        deepspeed_config(LearnerConfig(dtype="bf16", zero_stage=0), micro_batch=1, train=True)
+
