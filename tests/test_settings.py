@@ -152,3 +152,38 @@ def test_bf16_without_zero_is_refused():
     with pytest.raises(ValueError, match="learner.dtype=bf16 needs learner.zero_stage 1-3"):
         deepspeed_config(LearnerConfig(dtype="bf16", zero_stage=0), micro_batch=1, train=True)
 
+
+# ---------------------------------------------------------------- vLLM
+def test_vllm_engine_runs_with_the_configured_settings():
+    """One tiny in-process engine (the default searcher config): vLLM's resolved config and the
+    sampling parameters of every kind of request read back against the config."""
+    from hpc_tba.assembly.engines import build_engine
+    from hpc_tba.engine.vllm_engine import NEUTRAL_SAMPLING
+    from hpc_tba.models.tiny import resolve_model_path
+
+    cfg = _cfg()
+    s = cfg.searcher
+    engine = build_engine(cfg, resolve_model_path(cfg.model, cfg.task), seed=s.seed + 3, device="cpu")
+    seen = []
+    try:
+        vc = engine.llm.llm_engine.vllm_config
+        m, c = vc.model_config, vc.cache_config
+        assert (str(m.dtype), m.seed, m.max_model_len) == ("torch.float32", s.seed + 3, s.max_model_len)
+        assert (m.logprobs_mode, m.generation_config, m.use_fp64_gumbel) == ("processed_logprobs", "vllm", False)
+        assert m.get_diff_sampling_param() == {}  # nothing from the model's generation_config.json
+        assert (c.cache_dtype, c.enable_prefix_caching) == ("auto", True)
+        assert c.kv_cache_memory_bytes == s.kv_cache_mb * 2**20 and vc.watermark_config is None
+        generate = engine.llm.generate
+        engine.llm.generate = lambda prompts, params, **kw: seen.append(params) or generate(prompts, params, **kw)
+        prompt = engine.tokenize(["1+2="])[0]
+        engine.sample([prompt], n=2, temperature=s.temperature, max_tokens=2)
+        engine.greedy([prompt], max_tokens=2)
+        engine.score(prompt, [5, 6], temperature=1.0)
+    finally:
+        engine.close()
+    assert len(seen) == 3
+    for p in seen:
+        assert {k: getattr(p, k) for k in NEUTRAL_SAMPLING} == NEUTRAL_SAMPLING
+    assert NEUTRAL_SAMPLING["top_k"] == 0 and NEUTRAL_SAMPLING["repetition_penalty"] == 1.0
+    assert seen[0].temperature == s.temperature and seen[1].temperature == 0.0
+
