@@ -187,3 +187,97 @@ def test_vllm_engine_runs_with_the_configured_settings():
     assert NEUTRAL_SAMPLING["top_k"] == 0 and NEUTRAL_SAMPLING["repetition_penalty"] == 1.0
     assert seen[0].temperature == s.temperature and seen[1].temperature == 0.0
 
+
+# ---------------------------------------------------------------- GPU placement before MPI
+# A rank's entry with an import hook standing in for mpi4py: it records what CUDA_VISIBLE_DEVICES
+# was when MPI was first imported (a CUDA-aware MPI initialises CUDA in MPI_Init), and what MPI
+# says the rank is comes from FAKE_MPI_RANK. The role itself is not built (run_rank replaced).
+_ENTRY = r'''
+import importlib.abc, importlib.machinery, json, os, sys, types
+seen = {"mpi_imports": 0}
+
+class FakeMPI(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, name, path, target=None):
+        if name in ("mpi4py", "mpi4py.MPI"):
+            return importlib.machinery.ModuleSpec(name, self, is_package=name == "mpi4py")
+    def create_module(self, spec):
+        return None
+    def exec_module(self, module):
+        if module.__name__ == "mpi4py":
+            seen["mpi_imports"] += 1
+            seen["cuda_visible_at_mpi_import"] = os.environ.get("CUDA_VISIBLE_DEVICES")
+            return
+        world = types.SimpleNamespace(Get_rank=lambda: int(os.environ["FAKE_MPI_RANK"]),
+                                      Get_size=lambda: 80, Abort=lambda code: None)
+        module.COMM_WORLD, module.Is_initialized = world, lambda: True
+
+sys.meta_path.insert(0, FakeMPI())
+import hpc_tba.run as run
+from hpc_tba.comm.groups import local_device_index
+from hpc_tba.topology import Topology
+
+def run_rank(cfg):
+    rank = int(os.environ["FAKE_MPI_RANK"])
+    seen["local_rank"] = local_device_index(Topology.for_run(cfg), rank)  # the learner's LOCAL_RANK
+    return rank, None
+
+run.run_rank = run_rank
+seen["exit"] = run.main(sys.argv[2:])
+seen["cuda_visible"] = os.environ.get("CUDA_VISIBLE_DEVICES")
+with open(sys.argv[1], "w") as f:
+    json.dump(seen, f)
+'''
+LAUNCHER_VARS = ("SLURM", "OMPI_", "PMI", "PALS_", "MPI_LOCALRANKID", "CUDA_VISIBLE_DEVICES")
+# learner rank 5 of the 70B preset: node 0 (8 learners a node), its 6th task, GPU 5
+SLURM_RANK5 = {"SLURM_JOB_ID": "9", "SLURM_JOB_NODELIST": "g[01-16]", "SLURMD_NODENAME": "g01",
+               "SLURM_NODEID": "0", "SLURM_PROCID": "5", "SLURM_LOCALID": "5", "SLURM_NTASKS": "80"}
+
+
+def test_gpus_are_placed_before_mpi_is_imported(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_VARS)}
+    env.update(SLURM_RANK5, FAKE_MPI_RANK="5")
+    out = tmp_path / "seen.json"
+    proc = subprocess.run([sys.executable, "-c", _ENTRY, str(out), "+experiment=tba_70b",
+                           f"run_dir={tmp_path}/run"], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads(out.read_text())
+    assert seen["exit"] == 0 and seen["mpi_imports"] == 1
+    assert seen["cuda_visible_at_mpi_import"] == "5"  # placed before MPI_Init could touch CUDA
+    assert seen["cuda_visible"] == "5" and seen["local_rank"] == 0  # cuda:0 of "5" = GPU 5
+
+
+@pytest.mark.parametrize("launcher", [
+    {"SLURM_PROCID": "13", "SLURM_LOCALID": "5", "SLURM_NTASKS": "80"},
+    {"OMPI_COMM_WORLD_RANK": "13", "OMPI_COMM_WORLD_LOCAL_RANK": "5", "OMPI_COMM_WORLD_SIZE": "80"},
+    {"PMI_RANK": "13", "MPI_LOCALRANKID": "5", "PMI_SIZE": "80"},  # MPICH / Hydra, Intel MPI
+], ids=["srun", "openmpi", "mpich"])
+def test_placement_reads_each_launchers_rank(launcher):
+    """Learner rank 13 of the 70B layout: node 1, task 5, GPU 5; the learner's LOCAL_RANK is 0."""
+    from hpc_tba.assembly.rank import check_placed_rank, place_devices
+    from hpc_tba.comm.groups import local_device_index
+    from hpc_tba.topology import LayoutError, Topology
+
+    cfg = _cfg("+experiment=tba_70b")
+    env = dict(launcher)
+    assert place_devices(cfg, env) == 13 and env["CUDA_VISIBLE_DEVICES"] == "5"
+    assert local_device_index(Topology.for_run(cfg), 13, env) == 0
+    check_placed_rank(13, 13)
+    with pytest.raises(LayoutError, match="GPU.s. of rank 13 before MPI started.*MPI says it is rank 12"):
+        check_placed_rank(13, 12, env)
+    wrong_slot = {k: ("4" if "LOCAL" in k else v) for k, v in launcher.items()}
+    with pytest.raises(LayoutError, match="is task 4 of its node.*the layout makes it task 5"):
+        place_devices(cfg, wrong_slot)
+    assert place_devices(_cfg(), {}) is None  # no GPUs in the cluster: nothing placed
+
+
+def test_a_searcher_engine_gets_its_tp_group():
+    from hpc_tba.assembly.rank import place_devices
+
+    env = {"SLURM_PROCID": "65", "SLURM_LOCALID": "1", "SLURM_NTASKS": "80"}
+    assert place_devices(_cfg("+experiment=tba_70b"), env) == 65
+    assert env["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
