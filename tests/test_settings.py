@@ -281,3 +281,43 @@ def test_a_searcher_engine_gets_its_tp_group():
     env = {"SLURM_PROCID": "65", "SLURM_LOCALID": "1", "SLURM_NTASKS": "80"}
     assert place_devices(_cfg("+experiment=tba_70b"), env) == 65
     assert env["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
+
+
+# ---------------------------------------------------------------- Slurm CPUs per role
+def test_a_tp4_searcher_task_gets_cpus_for_its_processes():
+    """70B preset: a searcher task runs the searcher (8 threads), the engine core and 4 TP
+    workers (1 thread each): 13 CPUs; one srun step gives every task that, learners included."""
+    from hpc_tba.launcher import slurm
+    from hpc_tba.topology import LayoutError
+
+    cfg = _cfg("+experiment=tba_70b")
+    assert slurm.role_cpus(cfg) == {"learner": 8, "searcher": 8 + (1 + 4) * 1}
+    assert slurm.cpus_per_task(cfg) == 13 and "--cpus-per-task=13" in slurm.srun_command(cfg, [])
+    assert slurm.role_cpus(_cfg("+experiment=tba_70b", "cluster.engine_threads=2"))["searcher"] == 18
+    assert slurm.cpus_per_task(_cfg("+experiment=tba_8b")) == 8  # TP 1, in-process engine
+    assert slurm.cpus_per_task(_cfg("+experiment=tba_70b", "cluster.cpus_per_node=104")) == 13
+    with pytest.raises(LayoutError, match="8 tasks x 13 CPUs.*exceed cluster.cpus_per_node=96"):
+        slurm.cpus_per_task(_cfg("+experiment=tba_70b", "cluster.cpus_per_node=96"))
+    text = slurm.sbatch_script(cfg, ["+experiment=tba_70b"], name="x")
+    assert 'export OMP_NUM_THREADS="8"' in text and "#SBATCH --cpus-per-task=13" in text
+
+
+def test_engine_processes_start_with_their_own_threads(monkeypatch):
+    """build_engine gives an out-of-process engine's processes cluster.engine_threads threads
+    (they inherit the environment when vLLM starts them, inside VLLMEngine)."""
+    import os
+
+    from hpc_tba.assembly import engines
+    from hpc_tba.engine import vllm_engine
+
+    seen = {}
+
+    class Stub:
+        def __init__(self, *a, **kw):
+            seen.update(omp=os.environ.get("OMP_NUM_THREADS"), mkl=os.environ.get("MKL_NUM_THREADS"))
+
+    monkeypatch.setattr(vllm_engine, "VLLMEngine", Stub)
+    monkeypatch.setenv("OMP_NUM_THREADS", "8")
+    monkeypatch.setenv("MKL_NUM_THREADS", "8")
+    engines.build_engine(_cfg("+experiment=tba_70b", "cluster.engine_threads=2"), "/m", seed=0, device="cuda")
+    assert seen == {"omp": "2", "mkl": "2"}
