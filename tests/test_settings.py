@@ -4,7 +4,9 @@ read back from real engines (one gloo rank, DeepSpeed's CPU accelerator).
 `learner.grad_clip=0` means no clipping: DeepSpeed 0.19.8 clips at 1.0 when the config leaves
 `gradient_clipping` out, so the learner always writes it. The numeric check uses SGD, whose step
 is proportional to the gradient (Adam's first step hardly depends on the gradient's scale), on a
-gradient of norm ~1,000.
+gradient of norm ~2,900. Further sections: vLLM options read back from a tiny in-process engine,
+GPU placement before MPI (a rank entry with an import hook standing in for mpi4py), Slurm CPUs per
+role.
 """
 from __future__ import annotations
 
