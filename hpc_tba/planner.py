@@ -6,7 +6,8 @@ accepts is the layout srun starts with the settings the roles apply, and it refu
 cannot fit, naming the term that does not.
 
 Learner, per rank, ZeRO-3 over N learner ranks (P parameters, bytes per parameter in brackets):
-  parameters [2 bf16 | 4 fp32] P/N, gradients [same] P/N, optimizer [12 bf16: fp32 master + Adam
+  parameters [2 bf16 | 4 fp32] P/N, gradients [4: summed across micro-batches in fp32, the
+  learner's data_types.grad_accum_dtype, also in bf16 runs] P/N, optimizer [12 bf16: fp32 master + Adam
   m, v | 8 fp32: m, v] P/N (`learner.offload_optimizer` / `offload_params` move them to host
   memory), a frozen reference [2|4] P/N when the loss needs one (its registration,
   `losses.registry.needs(cfg.algo).reference`;
@@ -125,7 +126,9 @@ def _model_states(plan: Plan, cfg: RunConfig, spec: ModelSpec, n: int) -> float:
     host = "(host memory)"
     total = plan.row("parameters (sharded)", pb * p / n * (not lr.offload_params),
                      host if lr.offload_params else "", key="params")
-    total += plan.row("gradients (sharded)", pb * p / n, key="grads")
+    gb = DTYPE_BYTES[_deepspeed(cfg)["data_types"]["grad_accum_dtype"]]  # ZeRO-3's partition buffer
+    total += plan.row("gradients (sharded)", gb * p / n,
+                      "fp32 accumulation" if gb != pb else "", key="grads")
     total += plan.row("optimizer states (sharded)", ob * p / n * (not lr.offload_optimizer),
                       host if lr.offload_optimizer else "", key="optimizer")
     plan.model_states_gib = total / GiB
@@ -144,10 +147,14 @@ def _model_states(plan: Plan, cfg: RunConfig, spec: ModelSpec, n: int) -> float:
 
 def _zero_option(cfg: RunConfig, name: str, default: int) -> int:
     """A zero_optimization setting of the learner's own DeepSpeed config, else DeepSpeed's default."""
+    return int(_deepspeed(cfg)["zero_optimization"].get(name, default))
+
+
+def _deepspeed(cfg: RunConfig) -> dict:
+    """The learner's own DeepSpeed config for this run."""
     from hpc_tba.roles.learner import deepspeed_config
 
-    ds = deepspeed_config(cfg.learner, micro_batch=micro_batch_of(cfg), train=True)
-    return int(ds["zero_optimization"].get(name, default))
+    return deepspeed_config(cfg.learner, micro_batch=micro_batch_of(cfg), train=True)
 
 
 def _activations(plan: Plan, cfg: RunConfig, spec: ModelSpec) -> float:

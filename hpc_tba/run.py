@@ -1,10 +1,11 @@
 """Per-rank entry point: `python -m hpc_tba.run <hydra overrides>` on every rank of the job.
 
 Started by `hpc-tba train` (mpiexec) or by `srun --mpi=pmi2` under Slurm. Composes the config,
-sends this rank's third-party output to `<run_dir>/logs/rank<N>.log` (hpc_tba.console), sets the
-rank up (hpc_tba.assembly.rank: MPI, the layout, pinning, signals), builds its role
-(hpc_tba.assembly.build), runs it, closes it in `finally`. Learner rank 0
-prints the one summary and draws `<run_dir>/report.png`.
+gives the process its GPUs (hpc_tba.assembly.rank.place_devices, before mpi4py is imported: a
+CUDA-aware MPI initialises CUDA in MPI_Init), starts MPI, sends this rank's third-party output to
+`<run_dir>/logs/rank<N>.log` (hpc_tba.console), sets the rank up (hpc_tba.assembly.rank: the
+transport, the layout, pinning, signals), builds its role (hpc_tba.assembly.build), runs it,
+closes it in `finally`. Learner rank 0 prints the one summary and draws `<run_dir>/report.png`.
 """
 from __future__ import annotations
 
@@ -84,7 +85,16 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:  # before anything is redirected: straight to the terminal
         print(f"hpc-tba: {e}", file=sys.stderr)
         return 2
-    rank = _init_mpi(rank)
+    from hpc_tba.assembly.rank import check_placed_rank, place_devices
+    from hpc_tba.topology import LayoutError
+
+    try:
+        placed = place_devices(cfg)  # before MPI: CUDA_VISIBLE_DEVICES from the layout
+        rank = _init_mpi(rank)
+        check_placed_rank(placed, rank)
+    except LayoutError as e:
+        fail(None, rank, e)
+        return 1
     setup_rank_output(cfg.run_dir, rank)
     try:
         rank, summary = run_rank(cfg)

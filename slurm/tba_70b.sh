@@ -5,10 +5,11 @@
 # Overrides that change the layout need a regenerated script:
 #   python -m hpc_tba.launcher.slurm sbatch +experiment=tba_70b cluster.nodes=... > my.sh
 # Layout (hpc_tba.topology): 16 nodes x 8 GPUs; 64 learner ranks on 8 node(s), 16 searcher engine(s) x TP 4 on 8 node(s).
+# CPUs per task: 13 (learner 8; searcher 13 = 8 + 5 engine processes x 1); OMP_NUM_THREADS=8 per rank, 1 per engine process.
 #SBATCH --job-name=tba_70b
 #SBATCH --nodes=16
 #SBATCH --ntasks-per-node=8
-#SBATCH --cpus-per-task=8
+#SBATCH --cpus-per-task=13
 #SBATCH --gpus-per-node=8
 #SBATCH --time=2-00:00:00
 #SBATCH --signal=USR1@600
@@ -43,5 +44,5 @@ for i in "${!TASKS[@]}"; do
 done > "$SLURM_HOSTFILE"
 
 echo "tba_70b: job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0} on $SLURM_JOB_NODELIST; tensorboard --logdir $RUN_DIR"
-srun --mpi=pmi2 --distribution=arbitrary --ntasks=80 --cpus-per-task=8 --kill-on-bad-exit=1 \
+srun --mpi=pmi2 --distribution=arbitrary --ntasks=80 --cpus-per-task=13 --kill-on-bad-exit=1 \
   "$PYTHON" -m hpc_tba.run +experiment=tba_70b "run_dir=$RUN_DIR" "$@"

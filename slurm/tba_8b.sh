@@ -5,6 +5,7 @@
 # Overrides that change the layout need a regenerated script:
 #   python -m hpc_tba.launcher.slurm sbatch +experiment=tba_8b cluster.nodes=... > my.sh
 # Layout (hpc_tba.topology): 2 nodes x 8 GPUs; 8 learner ranks on 1 node(s), 8 searcher engine(s) x TP 1 on 1 node(s).
+# CPUs per task: 8 (learner 8; searcher 8 = 8 + 0 engine processes x 1); OMP_NUM_THREADS=8 per rank, 1 per engine process.
 #SBATCH --job-name=tba_8b
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=8

@@ -5,6 +5,7 @@
 # Overrides that change the layout need a regenerated script:
 #   python -m hpc_tba.launcher.slurm sbatch cluster=slurm_cpu cluster.nodes=... > my.sh
 # Layout (hpc_tba.topology): 3 nodes x 1 rank slots; 1 learner ranks on 1 node(s), 2 searcher engine(s) x TP 1 on 2 node(s).
+# CPUs per task: 1 (learner 1; searcher 1 = 1 + 0 engine processes x 1); OMP_NUM_THREADS=1 per rank, 1 per engine process.
 #SBATCH --job-name=tiny_cpu
 #SBATCH --nodes=3
 #SBATCH --ntasks-per-node=1

@@ -36,7 +36,7 @@ def test_golden_70b():
         "#SBATCH --job-name=tba_70b",
         "#SBATCH --nodes=16",
         "#SBATCH --ntasks-per-node=8",
-        "#SBATCH --cpus-per-task=8",
+        "#SBATCH --cpus-per-task=13",  # a TP-4 searcher: 8 threads + engine core + 4 workers
         "#SBATCH --gpus-per-node=8",
         "#SBATCH --time=2-00:00:00",
         "#SBATCH --signal=USR1@600",
@@ -46,7 +46,7 @@ def test_golden_70b():
         "#SBATCH --exclusive",
     ]
     assert "TASKS=(8 8 8 8 8 8 8 8 2 2 2 2 2 2 2 2)" in text
-    assert ("srun --mpi=pmi2 --distribution=arbitrary --ntasks=80 --cpus-per-task=8 "
+    assert ("srun --mpi=pmi2 --distribution=arbitrary --ntasks=80 --cpus-per-task=13 "
             "--kill-on-bad-exit=1 \\\n"
             '  "$PYTHON" -m hpc_tba.run +experiment=tba_70b "run_dir=$RUN_DIR" "$@"\n') in text
     assert 'export TORCH_NCCL_ASYNC_ERROR_HANDLING="1"' in text

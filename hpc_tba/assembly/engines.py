@@ -7,6 +7,8 @@ generates on the device that run's searchers used.
 """
 from __future__ import annotations
 
+import os
+
 from hpc_tba.engine.base import Engine
 
 
@@ -19,7 +21,10 @@ def engine_device(cfg) -> str:
 
 def build_engine(cfg, model_path: str, *, seed: int, device: str | None = None,
                  warm_prompt: str | None = None) -> Engine:
-    """A vLLM engine for `model_path` with the run's searcher settings.
+    """A vLLM engine for `model_path` with the run's searcher settings (every option that changes
+    what is computed: hpc_tba.engine.vllm_engine.engine_kwargs). An out-of-process engine's
+    processes start with cluster.engine_threads OpenMP/MKL threads each (the searcher's own
+    threads, cluster.threads_per_rank, are already set: changing the variables now leaves them).
 
     device: None = `engine_device(cfg)`. warm_prompt: generate one token of it once, so that
     the first real generate call does not pay vLLM's one-off set-up (~4 s on CPU): a searcher
@@ -28,6 +33,9 @@ def build_engine(cfg, model_path: str, *, seed: int, device: str | None = None,
     from hpc_tba.engine.vllm_engine import VLLMEngine, configure_cpu_env
 
     device = device or engine_device(cfg)
+    if cfg.searcher.engine_process:  # the engine's processes (core, TP workers) inherit these
+        threads = str(cfg.cluster.engine_threads)
+        os.environ.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
     if device == "cpu":
         configure_cpu_env(core=None, kv_cache_mb=cfg.searcher.kv_cache_mb)
     engine = VLLMEngine(model_path, cfg.searcher, seed=seed, device=device)

@@ -21,6 +21,12 @@ class ClusterConfig:
     """Searcher ranks (each drives one vLLM engine)."""
     threads_per_rank: int = 1
     """CPU threads per rank (pinning matters: oversubscribed ranks slow small steps ~10x)."""
+    engine_threads: int = 1
+    """OpenMP/MKL threads of each process of an out-of-process vLLM engine (its engine core and
+    each tensor-parallel worker, which mostly wait on the GPU); a searcher task gets
+    threads_per_rank + (1 + TP) x engine_threads CPUs (launcher.slurm.role_cpus)."""
+    cpus_per_node: int = 0
+    """CPUs Slurm can give per node, to check that every node's tasks get theirs (0: unchecked)."""
     dist_backend: str = "auto"
     """torch.distributed backend for ZeRO-3 and weight sync: auto (nccl on GPU, else gloo)."""
     mpiexec: str = "mpiexec"
@@ -77,6 +83,9 @@ class ClusterConfig:
         if not _TIME.match(self.time):
             raise ValueError(f"cluster.time={self.time!r} is not a Slurm time (e.g. 04:00:00, "
                              "2-00:00:00, 90)")
+        if self.threads_per_rank < 1 or self.engine_threads < 1 or self.cpus_per_node < 0:
+            raise ValueError("cluster.threads_per_rank and cluster.engine_threads must be >= 1, "
+                             "cluster.cpus_per_node >= 0 (0: unchecked)")
         if self.gpu_memory_gb <= 0:
             raise ValueError(f"cluster.gpu_memory_gb={self.gpu_memory_gb} must be > 0")
 

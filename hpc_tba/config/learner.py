@@ -39,7 +39,8 @@ class LearnerConfig:
     warmup_steps: int = 10
     """Linear learning-rate warm-up steps."""
     grad_clip: float = 0.0
-    """Gradient-norm clip; 0 disables it (the TBA authors use none)."""
+    """Gradient-norm clip; 0 disables it (the TBA authors use none; always written to DeepSpeed,
+    whose own default would clip at 1.0)."""
     sync_every: int = 2
     """k: broadcast weights to the searchers every k learner steps (GSM8K: 2)."""
     sync_bucket_mb: float = 64.0
@@ -53,6 +54,10 @@ class LearnerConfig:
     """TensorBoard scalars every this many steps."""
     zero_stage: int = 3
     """DeepSpeed ZeRO stage (3 shards parameters, gradients and optimizer states)."""
+    param_persistence_threshold: int = 100_000
+    """ZeRO-3: parameters of at most this many elements stay whole on every rank instead of being
+    gathered at each use (DeepSpeed's 1e5: norms and biases of a real model); the embedded tiny
+    model's yaml sets 0, so every parameter is sharded and CPU runs exercise a 70B run's gathers."""
     dtype: str = "fp32"
     """Training dtype: fp32 or bf16."""
     seed: int = 0
@@ -83,6 +88,9 @@ class LearnerConfig:
                              f"{self.sync_every}), or use the preset learner=sync")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"learner.zero_stage={self.zero_stage} must be 0-3")
+        if self.param_persistence_threshold < 0:
+            raise ValueError(f"learner.param_persistence_threshold={self.param_persistence_threshold} "
+                             "must be >= 0 (0: shard every parameter)")
         if self.checkpoint_every < 0 or self.checkpoint_interval_s < 0 or self.keep_last < 1:
             raise ValueError("learner.checkpoint_every/checkpoint_interval_s must be >= 0 and "
                              "learner.keep_last >= 1")

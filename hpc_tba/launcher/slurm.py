@@ -182,6 +182,30 @@ def requeue(job_id: str | None = None, *, scontrol: str = "scontrol") -> None:
         raise RuntimeError(f"scontrol requeue {job_id} failed: {out.stderr.strip()}")
 
 
+# ---- CPUs per task ---------------------------------------------------------------------------
+def role_cpus(cfg: RunConfig) -> dict[str, int]:
+    """CPUs each role's task needs: a learner its threads (one process); a searcher its own
+    threads plus, for an out-of-process engine (always with tensor parallelism), one share of
+    cluster.engine_threads per engine process: the engine core and each TP worker, every one of
+    which keeps a core busy polling."""
+    c, s = cfg.cluster, cfg.searcher
+    engine_procs = 1 + s.tensor_parallel_size if s.engine_process else 0
+    return {"learner": c.threads_per_rank, "searcher": c.threads_per_rank + engine_procs * c.engine_threads}
+
+
+def cpus_per_task(cfg: RunConfig) -> int:
+    """--cpus-per-task of the job step. One srun step gives every task the same CPUs, so this is
+    the larger of the roles' needs (a TP searcher's); checked against cluster.cpus_per_node."""
+    c, topo, need = cfg.cluster, Topology.for_run(cfg), role_cpus(cfg)
+    cpus = max(need.values()) if topo.num_searchers else need["learner"]
+    if c.cpus_per_node and max(topo.tasks_per_node) * cpus > c.cpus_per_node:
+        raise LayoutError(
+            f"{max(topo.tasks_per_node)} tasks x {cpus} CPUs (learner {need['learner']}, searcher "
+            f"{need['searcher']}: cluster.threads_per_rank + (1 + TP) x cluster.engine_threads) "
+            f"exceed cluster.cpus_per_node={c.cpus_per_node}: lower cluster.threads_per_rank")
+    return cpus
+
+
 # ---- command lines and sbatch text -----------------------------------------------------------
 def srun_command(cfg: RunConfig, overrides: Sequence[str], *, python: str = "python",
                  extra_args: Sequence[str] = ()) -> list[str]:
@@ -192,7 +216,7 @@ def srun_command(cfg: RunConfig, overrides: Sequence[str], *, python: str = "pyt
     """
     c = cfg.cluster
     return ["srun", f"--mpi={c.mpi}", "--distribution=arbitrary",
-            f"--ntasks={c.world_size}", f"--cpus-per-task={c.threads_per_rank}",
+            f"--ntasks={c.world_size}", f"--cpus-per-task={cpus_per_task(cfg)}",
             "--kill-on-bad-exit=1", *extra_args, *rank_command(overrides, python=python)]
 
 
@@ -209,7 +233,7 @@ def sbatch_header(cfg: RunConfig, name: str) -> list[str]:
     c, topo = cfg.cluster, Topology.for_run(cfg)
     lines = [f"--job-name={name}", f"--nodes={c.nodes}",
              f"--ntasks-per-node={max(topo.tasks_per_node)}",
-             f"--cpus-per-task={c.threads_per_rank}"]
+             f"--cpus-per-task={cpus_per_task(cfg)}"]
     if c.gpus_per_node:
         lines.append(f"--gpus-per-node={c.gpus_per_node}")
     lines += [f"--time={c.time}", f"--signal=USR1@{c.signal_grace_s}"]
@@ -245,9 +269,14 @@ def env_exports(cfg: RunConfig) -> list[str]:
 def _layout_comment(cfg: RunConfig) -> str:
     c, topo = cfg.cluster, Topology.for_run(cfg)
     unit = f"{c.gpus_per_node} GPUs" if c.gpus_per_node else f"{c.ranks_per_node or 'all'} rank slots"
+    need = role_cpus(cfg)
+    procs = (need["searcher"] - c.threads_per_rank) // c.engine_threads
     return (f"# Layout (hpc_tba.topology): {c.nodes} nodes x {unit}; {c.num_learners} learner ranks "
             f"on {topo.learner_nodes} node(s), {c.num_searchers} searcher engine(s) "
-            f"x TP {topo.tp_size} on {topo.searcher_nodes} node(s).")
+            f"x TP {topo.tp_size} on {topo.searcher_nodes} node(s).\n"
+            f"# CPUs per task: {cpus_per_task(cfg)} (learner {need['learner']}; searcher "
+            f"{need['searcher']} = {c.threads_per_rank} + {procs} engine processes x {c.engine_threads}); "
+            f"OMP_NUM_THREADS={c.threads_per_rank} per rank, {c.engine_threads} per engine process.")
 
 
 def _sh(arg: str) -> str:

@@ -139,7 +139,7 @@ def _slurm_parameters(cfg: RunConfig) -> dict[str, Any]:
     env = slurm.env_exports(cfg)
     params: dict[str, Any] = dict(
         job_name=cfg.name, nodes=c.nodes, ntasks_per_node=max(topo.tasks_per_node),
-        cpus_per_task=c.threads_per_rank, time=_minutes(c.time), signal_delay_s=c.signal_grace_s,
+        cpus_per_task=slurm.cpus_per_task(cfg), time=_minutes(c.time), signal_delay_s=c.signal_grace_s,
         srun_args=[f"--mpi={c.mpi}", "--distribution=arbitrary", f"--ntasks={c.world_size}"],
         setup=[*([c.setup] if c.setup.strip() else []), *env, hosts])
     if c.gpus_per_node:

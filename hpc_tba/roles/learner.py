@@ -33,47 +33,12 @@ from hpc_tba.config import AlgoConfig, LearnerConfig
 from hpc_tba.losses import LossInputs, loss_units, needs
 from hpc_tba.messages import Done, EvalReport, ProbeReport, SampledBatch, Stop, TrajectoryBatch
 from hpc_tba.roles import microbatch
+from hpc_tba.roles.ds_config import deepspeed_config
 from hpc_tba.roles.logging import RunLogger, Timers
 from hpc_tba.roles.policy import PackedBatch, pack, pad_per_token, response_logprobs
 from hpc_tba.topology import Topology
 
 POLL_S = 0.02
-
-
-def deepspeed_config(cfg: LearnerConfig, *, micro_batch: int, train: bool) -> dict:
-    """The DeepSpeed config of the policy (train) or the frozen reference (not train).
-
-    Gradient accumulation is driven by the learner (one backward per micro-batch, one step per
-    learner step, `Learner.train_step`), so DeepSpeed's own counter stays at 1.
-    """
-    ds = {
-        "train_micro_batch_size_per_gpu": micro_batch,
-        "gradient_accumulation_steps": 1,
-        "zero_optimization": {"stage": cfg.zero_stage,
-                              # Shard every parameter, however small: the tiny CPU model then
-                              # exercises the same gathers as a 70B one.
-                              "stage3_param_persistence_threshold": 0},
-        "bf16": {"enabled": cfg.dtype == "bf16"},
-        "zero_allow_untested_optimizer": True,
-        "steps_per_print": 1 << 30,
-        "wall_clock_breakdown": False,
-    }
-    if train and cfg.grad_clip > 0:
-        ds["gradient_clipping"] = cfg.grad_clip
-    # A memory option DeepSpeed would not apply must not be dropped silently: the run would need
-    # the device memory the user configured away.
-    if cfg.offload_params and cfg.zero_stage != 3:
-        raise ValueError(f"learner.offload_params needs learner.zero_stage=3 (got {cfg.zero_stage}): "
-                         "DeepSpeed offloads parameter shards only under ZeRO-3")
-    if cfg.offload_optimizer and cfg.zero_stage == 0:
-        raise ValueError("learner.offload_optimizer needs learner.zero_stage 1-3 (got 0): DeepSpeed "
-                         "offloads only ZeRO-partitioned optimizer states")
-    if cfg.offload_params:
-        ds["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
-    if cfg.offload_optimizer and train:
-        ds["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
-        ds["zero_force_ds_cpu_optimizer"] = False  # the learner hands DeepSpeed torch's AdamW
-    return ds
 
 
 def role_device(engine) -> torch.device:
