@@ -45,6 +45,10 @@ class ClusterConfig:
     """Slurm time limit (--time), e.g. 2-00:00:00."""
     signal_grace_s: int = 300
     """Seconds before the time limit Slurm sends USR1 (--signal): time to checkpoint and requeue."""
+    checkpoint_gb_per_s: float = 1.0
+    """Write bandwidth of the shared filesystem to all learner ranks together, GB/s (planner)."""
+    checkpoint_staging_dir: str = ""
+    """Node-local dir learners save into first, copied to run_dir in the background; empty: none."""
     requeue: bool = True
     """Requeue the job after preemption or a USR1 checkpoint (--requeue)."""
     exclusive: bool = False
@@ -77,6 +81,9 @@ class ClusterConfig:
         if not _TIME.match(self.time):
             raise ValueError(f"cluster.time={self.time!r} is not a Slurm time (e.g. 04:00:00, "
                              "2-00:00:00, 90)")
+        if self.checkpoint_gb_per_s <= 0:
+            raise ValueError(f"cluster.checkpoint_gb_per_s={self.checkpoint_gb_per_s} must be > 0 "
+                             "(the shared filesystem's write bandwidth in GB/s)")
         if self.gpu_memory_gb <= 0:
             raise ValueError(f"cluster.gpu_memory_gb={self.gpu_memory_gb} must be > 0")
 
