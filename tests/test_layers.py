@@ -20,7 +20,8 @@ LAYERS: dict[str, int] = {
     # 1 components: pure libraries (losses, replay buffer, models, tasks), no distributed code
     "hpc_tba.losses": 1, "hpc_tba.buffer": 1, "hpc_tba.models": 1, "hpc_tba.tasks": 1,
     # 2 plumbing: transports and groups, engines, checkpoints, Slurm knowledge, local launch
-    "hpc_tba.comm": 2, "hpc_tba.engine": 2, "hpc_tba.checkpoint": 2, "hpc_tba.launcher.slurm": 2,
+    "hpc_tba.comm": 2, "hpc_tba.engine": 2, "hpc_tba.checkpoint": 2, "hpc_tba.checkpoint_staging": 2,
+    "hpc_tba.launcher.slurm": 2,
     "hpc_tba.launcher.local": 2,
     # 3 roles: learner, searcher and what they are made of
     "hpc_tba.roles": 3,

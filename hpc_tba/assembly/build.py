@@ -35,6 +35,7 @@ def build_learner(cfg: RunConfig, transport, topo: Topology, groups, model_path:
     broadcast to the searchers (manifest, probe, resumed step)."""
     from hpc_tba.buffer import BufferShard
     from hpc_tba.checkpoint import resolve_resume
+    from hpc_tba.checkpoint_staging import staging_dir
     from hpc_tba.config import resolve_wire_dtype, to_yaml
     from hpc_tba.roles.learner import Learner
 
@@ -47,6 +48,8 @@ def build_learner(cfg: RunConfig, transport, topo: Topology, groups, model_path:
                       transport=transport, topo=topo, sync_group=groups.sync_group,
                       run_dir=cfg.run_dir, preemption=preemption)
     learner.config_yaml = to_yaml(cfg)
+    if cfg.cluster.checkpoint_staging_dir:
+        learner.staging_dir = staging_dir(cfg.cluster.checkpoint_staging_dir, cfg.run_dir)
     if cfg.task.name == "offline":
         _fill_offline(cfg, shard, model_path)
     resume_from = resolve_resume(cfg.run_dir, cfg.resume)

@@ -26,6 +26,7 @@ import torch
 
 from hpc_tba import checkpoint
 from hpc_tba.buffer import BufferShard, staleness_lags
+from hpc_tba.checkpoint_staging import Checkpointer
 from hpc_tba.comm.metrics import reduce_metrics
 from hpc_tba.comm.transport import Transport
 from hpc_tba.comm.weight_sync import FLAG_EVAL, Manifest, WeightSender
@@ -83,6 +84,9 @@ def role_device(engine) -> torch.device:
 
 
 class Learner:
+    staging_dir: str | None = None  # node-local dir of staged saves (set by assembly.build)
+    checkpointer: Checkpointer | None = None
+
     def __init__(self, *, cfg: LearnerConfig, loss: AlgoConfig, shard: BufferShard, k: int,
                  temperature: float, model_path: str, transport: Transport, topo: Topology,
                  sync_group, run_dir: str, preemption=None):
@@ -196,25 +200,38 @@ class Learner:
     # ------------------------------------------------------------------ checkpoints
     def _step_flags(self) -> tuple[bool, bool]:
         """(a preemption signal reached some learner rank, a checkpoint is due on some rank),
-        agreed by every learner rank in one all-reduce, since all must checkpoint together."""
+        agreed by every learner rank in one all-reduce, since all must checkpoint together; the
+        same all-reduce says whether a staged save's copy is done on every rank, then commits it."""
         every, interval = self.cfg.checkpoint_every, self.cfg.checkpoint_interval_s
         due = (every > 0 and self.step % every == 0) or (
             interval > 0 and time.time() - self._last_ckpt[1] >= interval)
         signal = self.preemption is not None and self.preemption.is_set()
-        flags = self._reduce({"signal": float(signal), "due": float(due)}, op="sum")
+        ckpt = self._checkpointer()
+        flags = self._reduce({"signal": float(signal), "due": float(due), "copying": float(ckpt.copying())},
+                             op="sum")
+        ckpt.agreed(copying_anywhere=flags["copying"] > 0)
         return flags["signal"] > 0, flags["due"] > 0
 
     def save_checkpoint(self) -> str:
+        """Checkpoint now; staged (checkpoint_staging) when `staging_dir` is set, except the run's
+        final save (USR1, the last step), which is written directly."""
         t0 = time.time()
         self.shard.flush()
         state = {"step": self.step, "version": self.version, "config": self.config_yaml,
                  "pass@1": {str(k): v for k, v in self.pass_at_1.items()}}
-        path = checkpoint.save(self.engine, run_dir=self.run_dir, step=self.step,
-                               learner_rank=self.lrank, shard_state=self.shard.state_dict(),
-                               learner_state=state, keep_last=self.cfg.keep_last)
+        path = self._checkpointer().save(step=self.step, shard_state=self.shard.state_dict(),
+                                         learner_state=state,
+                                         final=self.preempted or self.step >= self.cfg.total_steps)
         self._last_ckpt = (self.step, time.time())
         self.log.scalars(self.step, {"checkpoint/time_s": time.time() - t0})
         return path
+
+    def _checkpointer(self) -> Checkpointer:
+        self.checkpointer = self.checkpointer or Checkpointer(
+            self.engine, run_dir=self.run_dir, learner_rank=self.lrank, keep_last=self.cfg.keep_last,
+            staging=self.staging_dir, on_commit=lambda step, wait_s: self.log.scalars(
+                self.step, {"checkpoint/committed_step": step, "checkpoint/commit_wait_s": wait_s}))
+        return self.checkpointer
 
     def resume(self, path: str) -> None:
         """Continue from a checkpoint: weights, optimizer, scheduler, RNG, step, buffer RNG."""
