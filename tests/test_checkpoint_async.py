@@ -5,8 +5,9 @@
 (b) a run's final save (USR1) arriving while a copy is in flight drops that copy whole and writes
     the newest state; at no moment does `latest_checkpoint` (resume=auto) point at a partial
     directory, and nothing `.tmp-*` or staged is left behind;
-(c) both checkpoints load bit-exactly (weights, fp32 master, Adam moments, scheduler, RNG);
-and the planner's CHECKPOINT_BYTES_PER_PARAM is what DeepSpeed writes.
+(c) both checkpoints load bit-exactly (weights, fp32 master, Adam moments, scheduler, RNG), also
+    into a policy built without its base weights (`load_causal_lm(weights=False)`, the resume
+    path); and the planner's CHECKPOINT_BYTES_PER_PARAM is what DeepSpeed writes.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_checkpoint_trust import _batches, _differences, _engine, _snapshot, _step
+from test_checkpoint_trust import BATCH, SEQ, VOCAB, _batches, _differences, _engine, _snapshot, _step
 
 DELAY_S = 0.4  # per file copied: DeepSpeed's 2 files + rank0.json + rng + learner.json
 
@@ -93,7 +94,33 @@ def _worker(rank: int, port: int, tmp: str) -> None:
     for step, saved in ((7, saved7), (21, saved21)):
         learner_state, shard_state = checkpoint.load(b, str(root / f"step_{step:06d}"), learner_rank=0)
         rep[f"load_{step}"] = [learner_state, shard_state, _differences(_snapshot(b), saved)]
+    rep["unloaded_policy_21"] = _differences(_snapshot(_unloaded_policy(tmp_path / "model", root)), saved21)
     (tmp_path / "report.json").write_text(json.dumps(rep))
+
+
+def _unloaded_policy(model_dir: Path, root: Path):
+    """The learner's resume: the policy built with `weights=False` (no base tensors read), then
+    the checkpoint loaded; the base model on disk holds other weights than the checkpoint."""
+    import deepspeed
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hpc_tba import checkpoint
+    from hpc_tba.config import LearnerConfig
+    from hpc_tba.models.loading import load_causal_lm
+    from hpc_tba.roles.learner import deepspeed_config
+
+    torch.manual_seed(3)
+    LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                 num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                                 max_position_embeddings=SEQ)).save_pretrained(model_dir)
+    cfg = LearnerConfig(lr=1e-2, warmup_steps=3)
+    ds = deepspeed_config(cfg, micro_batch=BATCH, train=True)
+    model = load_causal_lm(str(model_dir), dtype=torch.float32, zero3_config=ds, rank=0, weights=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / cfg.warmup_steps))
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched, config=ds)
+    checkpoint.load(engine, str(root / "step_000021"), learner_rank=0)
+    return engine
 
 
 @pytest.fixture(scope="module")
@@ -132,6 +159,12 @@ def test_staged_and_direct_checkpoints_load_bit_exactly(report):
         learner_state, shard_state, diffs = report[f"load_{step}"]
         assert learner_state == {"step": step} and shard_state == {"s": step}
         assert diffs == [], diffs
+
+
+def test_a_policy_built_without_base_weights_resumes_bit_exactly(report):
+    """Resume reads the base model once: the policy's own base tensors are never read (the
+    reference, frozen, still loads them), and the checkpoint restores it whole."""
+    assert report["unloaded_policy_21"] == []
 
 
 def test_planner_bytes_per_param_is_what_deepspeed_writes(report):

@@ -89,7 +89,7 @@ class Learner:
 
     def __init__(self, *, cfg: LearnerConfig, loss: AlgoConfig, shard: BufferShard, k: int,
                  temperature: float, model_path: str, transport: Transport, topo: Topology,
-                 sync_group, run_dir: str, preemption=None):
+                 sync_group, run_dir: str, preemption=None, resume_from: str | None = None):
         self.cfg, self.loss_cfg, self.shard = cfg, loss, shard
         self.k, self.temperature = k, temperature
         self.transport, self.topo = transport, topo
@@ -97,6 +97,7 @@ class Learner:
         self.lrank = topo.learner_ranks.index(transport.rank)
         self.run_dir, self.model_path = run_dir, model_path
         self.preemption = preemption  # a flag set by SIGUSR1/SIGTERM (launcher.slurm)
+        self.resume_from = resume_from  # the checkpoint `resume` loads next (assembly.build)
         self.preempted = False
         self._last_ckpt = (0, time.time())
         self.nonfinite_skipped, self._nonfinite_in_row = 0, 0
@@ -137,7 +138,9 @@ class Learner:
         micro = self.micro
         ds_train = deepspeed_config(self.cfg, micro_batch=micro, train=True)
         zero3 = ds_train if self.cfg.zero_stage == 3 else None
-        policy = load_causal_lm(model_path, dtype=dtype, zero3_config=zero3, rank=self.lrank)
+        # a resume overwrites every policy tensor: under ZeRO-3 it reads no base weights for it
+        policy = load_causal_lm(model_path, dtype=dtype, zero3_config=zero3, rank=self.lrank,
+                                weights=self.resume_from is None)
         if self.cfg.gradient_checkpointing:  # non-reentrant: the variant that works under ZeRO-3
             policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         policy.train()
