@@ -168,6 +168,6 @@ def test_a_policy_built_without_base_weights_resumes_bit_exactly(report):
 
 
 def test_planner_bytes_per_param_is_what_deepspeed_writes(report):
-    from hpc_tba.planner import CHECKPOINT_BYTES_PER_PARAM
+    from hpc_tba.plan_checkpoint import CHECKPOINT_BYTES_PER_PARAM
 
     assert CHECKPOINT_BYTES_PER_PARAM <= report["optim_bytes_per_param"] < CHECKPOINT_BYTES_PER_PARAM + 0.5

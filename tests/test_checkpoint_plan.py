@@ -7,17 +7,8 @@ import pytest
 
 from hpc_tba.assembly.compose import compose
 from hpc_tba.launcher import scripts
-from hpc_tba.planner import (
-    CHECKPOINT_BYTES_PER_PARAM,
-    GRACE_MARGIN,
-    KNOWN_MODELS,
-    PlanOptions,
-    check_grace,
-    checkpoint_cost,
-    grace_refusal,
-    make_plan,
-    plan_main,
-)
+from hpc_tba.plan_checkpoint import CHECKPOINT_BYTES_PER_PARAM, GRACE_MARGIN, checkpoint_cost, grace_refusal
+from hpc_tba.planner import KNOWN_MODELS, PlanOptions, check_grace, make_plan, plan_main
 
 FAST = PlanOptions(deepspeed=False)
 P70 = KNOWN_MODELS["llama-3.1-70b"].params
