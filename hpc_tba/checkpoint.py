@@ -19,6 +19,10 @@ writes learner.json and COMPLETE, renames the directory into place, replaces `la
 all but the newest `keep_last`. A crash at any point leaves either the previous checkpoint as
 `latest` or a `.tmp-*` directory that resume ignores and the next save removes.
 
+Staged saves (hpc_tba.checkpoint_staging, `cluster.checkpoint_staging_dir`): each rank writes its
+part to node-local storage and a background thread copies it into the shared `.tmp-*` directory;
+`_publish` then completes it exactly as above, so a copy that never finished is never `latest`.
+
 The buffer's contents are not copied: the append-only segment log already holds every accepted
 trajectory, and the shard state records the log offsets at the checkpoint; resume replays the
 log, so it restores the buffer as of the checkpoint plus every record accepted after it.
@@ -145,20 +149,32 @@ def save(engine, *, run_dir: str, step: int, learner_rank: int, shard_state: dic
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     _barrier(dist)
-    engine.save_checkpoint(tmp, tag="ds", save_latest=False)
-    _write_json(os.path.join(tmp, f"rank{learner_rank}.json"), shard_state)
-    torch.save({"cpu": torch.get_rng_state()}, os.path.join(tmp, f"rng_rank{learner_rank}.pt"))
+    _write_part(engine, tmp, learner_rank, shard_state)
     _barrier(dist)
     if learner_rank == 0:
         _write_json(os.path.join(tmp, "learner.json"), learner_state)
-        _fsync_dir(tmp)
-        open(os.path.join(tmp, COMPLETE), "w").close()
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        _write_json_atomic_text(os.path.join(root, "latest"), name)
-        _prune(root, keep_last)
+        _publish(root, name, keep_last)
     _barrier(dist)
     return final
+
+
+def _write_part(engine, directory: str, learner_rank: int, shard_state: dict) -> None:
+    """This rank's files of a checkpoint: DeepSpeed's shards, buffer-shard state, RNG."""
+    engine.save_checkpoint(directory, tag="ds", save_latest=False)
+    _write_json(os.path.join(directory, f"rank{learner_rank}.json"), shard_state)
+    torch.save({"cpu": torch.get_rng_state()}, os.path.join(directory, f"rng_rank{learner_rank}.pt"))
+
+
+def _publish(root: str, name: str, keep_last: int) -> None:
+    """Learner rank 0: the complete `.tmp-<name>` becomes `<name>`, then `latest`, then prune."""
+    tmp, final = os.path.join(root, f".tmp-{name}"), os.path.join(root, name)
+    for dirpath, _, _ in os.walk(tmp):
+        _fsync_dir(dirpath)
+    open(os.path.join(tmp, COMPLETE), "w").close()
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    _write_json_atomic_text(os.path.join(root, "latest"), name)
+    _prune(root, keep_last)
 
 
 def load(engine, path: str, *, learner_rank: int) -> tuple[dict, dict]:

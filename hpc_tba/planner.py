@@ -24,6 +24,8 @@ Engine, per GPU: weights P x bytes / TP, a fixed runtime overhead, and the KV ca
   left of gpu_memory_utilization x GPU; 2 x layers x kv_heads x head_dim x bytes per token / TP.
   Refused when the weights do not fit or the cache cannot hold one max_model_len sequence (vLLM
   refuses to start then); fewer concurrent sequences than a round asks for is only a warning.
+Checkpoint (hpc_tba.plan_checkpoint): a save's size, footprint on the shared filesystem and time
+  at `cluster.checkpoint_gb_per_s`; a USR1 grace shorter than a save is refused.
 Weight staging, per searcher (`searcher.staging`, hpc_tba.memory.staging_bytes): outside vLLM's
   share, i.e. in 90% of (1 - gpu_memory_utilization) x GPU, or in host memory per node. `auto`
   resolves to device when the whole version fits there, else host (the receiver's own rule,
@@ -57,12 +59,13 @@ from hpc_tba.memory import (
     spec_from_hf_config,
     staging_bytes,
 )
+from hpc_tba.plan_checkpoint import checkpoint_rows, grace_refusal
 
 if TYPE_CHECKING:
     from hpc_tba.config import RunConfig
 
-__all__ = ["KNOWN_MODELS", "ModelSpec", "Plan", "PlanOptions", "format_plan", "make_plan",
-           "model_spec", "plan_main"]
+__all__ = ["KNOWN_MODELS", "ModelSpec", "Plan", "PlanOptions", "check_grace", "format_plan",
+           "make_plan", "model_spec", "plan_main"]
 
 GiB = 2**30
 USABLE_FRACTION = 0.9
@@ -332,6 +335,21 @@ def _staging(plan: Plan, cfg: RunConfig, spec: ModelSpec, gpus: int) -> None:
             f"({per_node} searchers) of {c.cpu_memory_gb:g} GB: use searcher.staging=stream")
 
 
+def check_grace(cfg: RunConfig) -> None:
+    """Raise ValueError naming the save when a Slurm run's USR1 grace cannot hold a checkpoint:
+    the sbatch generator and submitit's `launch` call it before anything is queued. A model whose
+    shape cannot be told here (no config.json on this machine, no known name) is not checked."""
+    if cfg.cluster.backend != "slurm":
+        return
+    try:
+        spec = model_spec(cfg)
+    except ValueError:
+        return
+    refusal = grace_refusal(cfg, spec)
+    if refusal:
+        raise ValueError(refusal)
+
+
 def make_plan(cfg: RunConfig, opt: PlanOptions = PlanOptions()) -> Plan:
     """Build the plan for a composed config; layout errors become problems."""
     from hpc_tba.topology import LayoutError, Topology
@@ -361,6 +379,7 @@ def make_plan(cfg: RunConfig, opt: PlanOptions = PlanOptions()) -> Plan:
     if c.num_searchers:
         _engine(plan, cfg, spec, gpus)
         _staging(plan, cfg, spec, gpus)
+    checkpoint_rows(plan, cfg, spec)
     if opt.dry_run:
         from hpc_tba.plan_dryrun import dry_run
 

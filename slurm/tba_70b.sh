@@ -12,7 +12,7 @@
 #SBATCH --cpus-per-task=13
 #SBATCH --gpus-per-node=8
 #SBATCH --time=2-00:00:00
-#SBATCH --signal=USR1@600
+#SBATCH --signal=USR1@1500
 #SBATCH --requeue
 #SBATCH --open-mode=append
 #SBATCH --output=%x-%j.out

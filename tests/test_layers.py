@@ -20,12 +20,13 @@ LAYERS: dict[str, int] = {
     # 1 components: pure libraries (losses, replay buffer, models, tasks), no distributed code
     "hpc_tba.losses": 1, "hpc_tba.buffer": 1, "hpc_tba.models": 1, "hpc_tba.tasks": 1,
     # 2 plumbing: transports and groups, engines, checkpoints, Slurm knowledge, local launch
-    "hpc_tba.comm": 2, "hpc_tba.engine": 2, "hpc_tba.checkpoint": 2, "hpc_tba.launcher.slurm": 2,
+    "hpc_tba.comm": 2, "hpc_tba.engine": 2, "hpc_tba.checkpoint": 2, "hpc_tba.checkpoint_staging": 2,
+    "hpc_tba.launcher.slurm": 2,
     "hpc_tba.launcher.local": 2,
     # 3 roles: learner, searcher and what they are made of
     "hpc_tba.roles": 3,
     # 4 assembly: configs composed, ranks set up, roles and engines built; the planner counts them
-    "hpc_tba.assembly": 4, "hpc_tba.planner": 4, "hpc_tba.plan_dryrun": 4,
+    "hpc_tba.assembly": 4, "hpc_tba.planner": 4, "hpc_tba.plan_checkpoint": 4, "hpc_tba.plan_dryrun": 4,
     # 5 entry points
     "hpc_tba": 5, "hpc_tba.__main__": 5, "hpc_tba.cli": 5, "hpc_tba.run": 5,
     "hpc_tba.launcher": 5, "hpc_tba.launcher.submit": 5, "hpc_tba.launcher.scripts": 5, "hpc_tba.eval_cli": 5,

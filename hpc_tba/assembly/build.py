@@ -35,6 +35,7 @@ def build_learner(cfg: RunConfig, transport, topo: Topology, groups, model_path:
     broadcast to the searchers (manifest, probe, resumed step)."""
     from hpc_tba.buffer import BufferShard
     from hpc_tba.checkpoint import resolve_resume
+    from hpc_tba.checkpoint_staging import staging_dir
     from hpc_tba.config import resolve_wire_dtype, to_yaml
     from hpc_tba.roles.learner import Learner
 
@@ -42,14 +43,16 @@ def build_learner(cfg: RunConfig, transport, topo: Topology, groups, model_path:
     learner_cfg = dataclasses.replace(cfg.learner, sync_wire_dtype=resolve_wire_dtype(cfg.learner, cfg.searcher))
     shard = BufferShard(cfg.buffer, shard_id=lrank, num_shards=topo.num_learners,
                         directory=os.path.join(cfg.run_dir, "buffer"), seed=cfg.learner.seed)
+    resume_from = resolve_resume(cfg.run_dir, cfg.resume)
     learner = Learner(cfg=learner_cfg, loss=cfg.algo, shard=shard, k=cfg.searcher.k,
                       temperature=cfg.searcher.temperature, model_path=model_path,
                       transport=transport, topo=topo, sync_group=groups.sync_group,
-                      run_dir=cfg.run_dir, preemption=preemption)
+                      run_dir=cfg.run_dir, preemption=preemption, resume_from=resume_from)
     learner.config_yaml = to_yaml(cfg)
+    if cfg.cluster.checkpoint_staging_dir:
+        learner.staging_dir = staging_dir(cfg.cluster.checkpoint_staging_dir, cfg.run_dir)
     if cfg.task.name == "offline":
         _fill_offline(cfg, shard, model_path)
-    resume_from = resolve_resume(cfg.run_dir, cfg.resume)
     if resume_from is not None:
         learner.resume(resume_from)
     probe = _probe(cfg, model_path) if cfg.learner.sync_check else None

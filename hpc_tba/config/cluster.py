@@ -51,6 +51,10 @@ class ClusterConfig:
     """Slurm time limit (--time), e.g. 2-00:00:00."""
     signal_grace_s: int = 300
     """Seconds before the time limit Slurm sends USR1 (--signal): time to checkpoint and requeue."""
+    checkpoint_gb_per_s: float = 1.0
+    """Write bandwidth of the shared filesystem to all learner ranks together, GB/s (planner)."""
+    checkpoint_staging_dir: str = ""
+    """Node-local dir learners save into first, copied to run_dir in the background; empty: none."""
     requeue: bool = True
     """Requeue the job after preemption or a USR1 checkpoint (--requeue)."""
     exclusive: bool = False
@@ -86,6 +90,9 @@ class ClusterConfig:
         if self.threads_per_rank < 1 or self.engine_threads < 1 or self.cpus_per_node < 0:
             raise ValueError("cluster.threads_per_rank and cluster.engine_threads must be >= 1, "
                              "cluster.cpus_per_node >= 0 (0: unchecked)")
+        if self.checkpoint_gb_per_s <= 0:
+            raise ValueError(f"cluster.checkpoint_gb_per_s={self.checkpoint_gb_per_s} must be > 0 "
+                             "(the shared filesystem's write bandwidth in GB/s)")
         if self.gpu_memory_gb <= 0:
             raise ValueError(f"cluster.gpu_memory_gb={self.gpu_memory_gb} must be > 0")
 

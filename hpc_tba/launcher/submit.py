@@ -200,9 +200,11 @@ def launch(cfg: RunConfig, *, executor: str | None = None, folder: str | os.Path
     folder = Path(folder or Path(cfg.run_dir) / "submitit")
     ranks = _run_overrides(cfg, overrides)
     if executor == "slurm":
+        from hpc_tba.planner import check_grace
         from hpc_tba.topology import Topology
 
         Topology.for_run(cfg)  # refuse an impossible layout before queueing anything
+        check_grace(cfg)  # and a USR1 grace too short for the final checkpoint
         ex = _RankExecutor(folder=folder, max_num_timeout=3)
         ex.world_size = cfg.cluster.world_size
         ex.update_parameters(**_slurm_parameters(cfg))

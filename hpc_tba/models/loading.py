@@ -22,12 +22,15 @@ from hpc_tba.models.checkpoint_keys import Checkpoint, ModelLoadError, check_cau
 __all__ = ["ModelLoadError", "check_dtype", "load_causal_lm"]
 
 
-def load_causal_lm(path: str, *, dtype: torch.dtype, zero3_config: dict | None, rank: int):
+def load_causal_lm(path: str, *, dtype: torch.dtype, zero3_config: dict | None, rank: int,
+                   weights: bool = True):
     """The model at `path`; under ZeRO-3 (a DeepSpeed config dict) partitioned as it is built.
 
     Dropout is switched off: the learner's log-probs must be those of the policy the engines
     sample from (no dropout in vLLM), or every ratio and TB residual carries dropout noise and the
     sync probe cannot agree (GPT-2's hub config has 0.1 everywhere; issue 19's GPT-2 gap).
+    `weights=False` (ZeRO-3): the parameters are left unset, for a policy that a checkpoint
+    overwrites next (a resume then reads no base weights: 141 GB at 70B); buffers still load.
     """
     config = without_dropout(model_config(path))
     if zero3_config is None:
@@ -51,7 +54,7 @@ def load_causal_lm(path: str, *, dtype: torch.dtype, zero3_config: dict | None, 
     _no_dropout_left(model, path)
     with Checkpoint(path) as ckpt:
         plan = plan_load(model, ckpt)  # every rank, from headers only: errors before any collective
-        for name, param in model.named_parameters():
+        for name, param in model.named_parameters() if weights else ():
             with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
                 if rank == 0:
                     param.data.copy_(ckpt.tensor(plan.params[name]).to(dtype))

@@ -26,6 +26,7 @@ import torch
 
 from hpc_tba import checkpoint
 from hpc_tba.buffer import BufferShard, staleness_lags
+from hpc_tba.checkpoint_staging import Checkpointer
 from hpc_tba.comm.metrics import reduce_metrics
 from hpc_tba.comm.transport import Transport
 from hpc_tba.comm.weight_sync import FLAG_EVAL, Manifest, WeightSender
@@ -48,9 +49,12 @@ def role_device(engine) -> torch.device:
 
 
 class Learner:
+    staging_dir: str | None = None  # node-local dir of staged saves (set by assembly.build)
+    checkpointer: Checkpointer | None = None
+
     def __init__(self, *, cfg: LearnerConfig, loss: AlgoConfig, shard: BufferShard, k: int,
                  temperature: float, model_path: str, transport: Transport, topo: Topology,
-                 sync_group, run_dir: str, preemption=None):
+                 sync_group, run_dir: str, preemption=None, resume_from: str | None = None):
         self.cfg, self.loss_cfg, self.shard = cfg, loss, shard
         self.k, self.temperature = k, temperature
         self.transport, self.topo = transport, topo
@@ -58,6 +62,7 @@ class Learner:
         self.lrank = topo.learner_ranks.index(transport.rank)
         self.run_dir, self.model_path = run_dir, model_path
         self.preemption = preemption  # a flag set by SIGUSR1/SIGTERM (launcher.slurm)
+        self.resume_from = resume_from  # the checkpoint `resume` loads next (assembly.build)
         self.preempted = False
         self._last_ckpt = (0, time.time())
         self.nonfinite_skipped, self._nonfinite_in_row = 0, 0
@@ -98,7 +103,9 @@ class Learner:
         micro = self.micro
         ds_train = deepspeed_config(self.cfg, micro_batch=micro, train=True)
         zero3 = ds_train if self.cfg.zero_stage == 3 else None
-        policy = load_causal_lm(model_path, dtype=dtype, zero3_config=zero3, rank=self.lrank)
+        # a resume overwrites every policy tensor: under ZeRO-3 it reads no base weights for it
+        policy = load_causal_lm(model_path, dtype=dtype, zero3_config=zero3, rank=self.lrank,
+                                weights=self.resume_from is None)
         if self.cfg.gradient_checkpointing:  # non-reentrant: the variant that works under ZeRO-3
             policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         policy.train()
@@ -161,25 +168,38 @@ class Learner:
     # ------------------------------------------------------------------ checkpoints
     def _step_flags(self) -> tuple[bool, bool]:
         """(a preemption signal reached some learner rank, a checkpoint is due on some rank),
-        agreed by every learner rank in one all-reduce, since all must checkpoint together."""
+        agreed by every learner rank in one all-reduce, since all must checkpoint together; the
+        same all-reduce says whether a staged save's copy is done on every rank, then commits it."""
         every, interval = self.cfg.checkpoint_every, self.cfg.checkpoint_interval_s
         due = (every > 0 and self.step % every == 0) or (
             interval > 0 and time.time() - self._last_ckpt[1] >= interval)
         signal = self.preemption is not None and self.preemption.is_set()
-        flags = self._reduce({"signal": float(signal), "due": float(due)}, op="sum")
+        ckpt = self._checkpointer()
+        flags = self._reduce({"signal": float(signal), "due": float(due), "copying": float(ckpt.copying())},
+                             op="sum")
+        ckpt.agreed(copying_anywhere=flags["copying"] > 0)
         return flags["signal"] > 0, flags["due"] > 0
 
     def save_checkpoint(self) -> str:
+        """Checkpoint now; staged (checkpoint_staging) when `staging_dir` is set, except the run's
+        final save (USR1, the last step), which is written directly."""
         t0 = time.time()
         self.shard.flush()
         state = {"step": self.step, "version": self.version, "config": self.config_yaml,
                  "pass@1": {str(k): v for k, v in self.pass_at_1.items()}}
-        path = checkpoint.save(self.engine, run_dir=self.run_dir, step=self.step,
-                               learner_rank=self.lrank, shard_state=self.shard.state_dict(),
-                               learner_state=state, keep_last=self.cfg.keep_last)
+        path = self._checkpointer().save(step=self.step, shard_state=self.shard.state_dict(),
+                                         learner_state=state,
+                                         final=self.preempted or self.step >= self.cfg.total_steps)
         self._last_ckpt = (self.step, time.time())
         self.log.scalars(self.step, {"checkpoint/time_s": time.time() - t0})
         return path
+
+    def _checkpointer(self) -> Checkpointer:
+        self.checkpointer = self.checkpointer or Checkpointer(
+            self.engine, run_dir=self.run_dir, learner_rank=self.lrank, keep_last=self.cfg.keep_last,
+            staging=self.staging_dir, on_commit=lambda step, wait_s: self.log.scalars(
+                self.step, {"checkpoint/committed_step": step, "checkpoint/commit_wait_s": wait_s}))
+        return self.checkpointer
 
     def resume(self, path: str) -> None:
         """Continue from a checkpoint: weights, optimizer, scheduler, RNG, step, buffer RNG."""

@@ -134,10 +134,11 @@ class Searcher:
         print(f"hpc-tba: searcher {self.index}: engine failed ({type(error).__name__}: {error}); "
               f"restarting it (restart {self.restarts + 1})", file=sys.stderr, flush=True)
         t0 = time.time()
-        try:
+        try:  # vLLM's shutdown frees what the engine held (VLLMEngine.close), before the rebuild
             self.engine.close()
-        except Exception:
-            pass
+        except Exception as e:  # noqa: BLE001 - a broken engine may fail its shutdown; say so
+            print(f"hpc-tba: searcher {self.index}: closing the failed engine raised "
+                  f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
         version = self.engine.version
         self.engine = self.engine_factory()
         if self.receiver is not None and version > 0:
