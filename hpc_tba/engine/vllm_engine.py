@@ -188,10 +188,17 @@ class VLLMEngine:
                                           weights_ready=weights_ready, apply=apply)
         params = SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, logprobs=0,
                                 seed=seed, **self._stop_kwargs())
+        if self.response_length is not None:  # benchmarks and tests: a length per prompt
+            params = [self._fixed_length(params, p, max_tokens) for p in prompts]
         with self._engine_errors():
             outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params,
                                      use_tqdm=False)
         return [[self._sample(c) for c in o.outputs] for o in outs]
+
+    def _fixed_length(self, params, prompt: Sequence[int], max_tokens: int):
+        params = params.clone()
+        params.max_tokens = params.min_tokens = min(max_tokens, self.response_length(prompt))
+        return params
 
     def _stop_kwargs(self, done: int = 0) -> dict:
         """Stop strings, and the minimum length still owed after `done` tokens."""
