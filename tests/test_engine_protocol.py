@@ -252,6 +252,9 @@ class _Versions:
         self.received_versions.append(self.version)
         return self.staged(self.version, 0, []), [self.version] if self.version == 2 else []
 
+    def current(self):  # the version staged last, whole (what a rebuilt engine reloads)
+        return self.staged(self.version, 0, []) if self.version else None
+
     def reading(self):
         import contextlib
 
@@ -262,7 +265,8 @@ class _Versions:
 
 
 class _Continuous(_Transport):
-    """STOP after `polls` polls; progress(): trajectory sends not yet taken, one taken per poll."""
+    """STOP after `polls` polls; progress(): trajectory sends not yet taken, one taken every
+    third poll (the searcher polls at every admission: sends pile up)."""
 
     def __init__(self, polls: int):
         super().__init__()
@@ -270,7 +274,7 @@ class _Continuous(_Transport):
 
     def receive(self, kind, *, max_messages=1 << 30):
         self.stop_polls += 1
-        self.taken += 1
+        self.taken += self.stop_polls % 3 == 0
         return [(0, Stop(1))] if self.stop_polls > self.polls else []
 
     def progress(self):
@@ -355,6 +359,9 @@ def test_continuous_back_pressure_admits_nothing_and_cursors_hold_running_groups
         def progress(self):
             return 5
 
+        def receive(self, kind, *, max_messages=1 << 30):
+            return []  # no STOP
+
     s, admitted, _ = _continuous(tmp_path, Full(), max_sends_in_flight=5)
     t0 = time.perf_counter()
     s.generate_continuous()
@@ -362,7 +369,7 @@ def test_continuous_back_pressure_admits_nothing_and_cursors_hold_running_groups
     s.cfg.max_sends_in_flight = 0
     a, b = s._admit()[0], s._admit()[0]  # two groups admitted, neither finished
     s.save_cursors()
-    again, _, _ = _continuous(tmp_path, _Transport())
+    again, _, _ = _continuous(tmp_path, Full())
     again.load_cursors()
     assert again._admit()[0] == a and again._admit()[0] == b  # a resumed run generates them again
     s.log.close()

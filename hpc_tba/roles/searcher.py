@@ -120,7 +120,7 @@ class Searcher:
         self._stopping = False  # STOP has arrived (continuous: drain, then finish)
         self._running: list[int] = []  # continuous: slice indices admitted, not yet finished
         self._window = _Window()  # continuous: the groups finished since the last log line
-        self._saved_at, self._stop_polled_at = 0.0, 0.0
+        self._saved_at = 0.0
         self._admitted, self._t_apply = 0, 0.0
 
     def run(self) -> None:
@@ -283,11 +283,8 @@ class Searcher:
     def _admit(self):
         """The engine's prompt source: the next prompt that fits, or None (STOP, back-pressure,
         new weights waiting with nothing running, or evaluations to run first)."""
-        if time.time() - self._stop_polled_at > 0.2:
-            self._stop_polled_at = time.time()
-            self.stop_requested()
         cap = self.cfg.max_sends_in_flight
-        if self._stopping or (cap and self.transport.progress() >= cap):
+        if self.stop_requested() or (cap and self.transport.progress() >= cap):
             return None
         if not self._running and self.receiver is not None and self.receiver.ready():
             return None  # nothing running: the searcher's loop applies the new weights first
