@@ -250,6 +250,37 @@ def run_bare(args, path: str, groups: int) -> dict:
     return {"tokens_per_s": tokens / wall, "tokens_per_cpu_s": tokens / max(cpu, 1e-9), "groups": len(prompts)}
 
 
+def _child(mode: str, argv: list[str]) -> dict:
+    import json
+    import subprocess
+
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--only", mode],
+                         stdout=subprocess.PIPE, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"bench_inflight: mode {mode} failed (exit code {out.returncode})")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _run_one(args) -> None:
+    import json
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
+
+    from hpc_tba.comm.groups import free_ports
+    from hpc_tba.config import ModelConfig, TaskConfig
+    from hpc_tba.engine.vllm_engine import configure_cpu_env
+    from hpc_tba.models.tiny import resolve_model_path
+
+    path = resolve_model_path(ModelConfig(), TaskConfig())
+    configure_cpu_env(core=None, kv_cache_mb=256)
+    if args.only == "bare-vllm":
+        row = run_bare(args, path, args.groups)
+    else:
+        row = run_mode(args.only, args, path, free_ports(1)[0])
+    print(json.dumps(row), flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seconds", type=float, default=40.0, help="learner wall time per mode")
@@ -264,26 +295,21 @@ def main(argv: list[str] | None = None) -> None:
                    help="response lengths: varied per prompt in [max/4, max], or all max")
     p.add_argument("--modes", default="between_rounds,continuous",
                    help="comma-separated: between_rounds, in_flight (rounds), continuous")
+    p.add_argument("--only", help=argparse.SUPPRESS)  # internal: run one mode, print its row as JSON
+    p.add_argument("--groups", type=int, default=0, help=argparse.SUPPRESS)  # internal: bare-vllm's
     args = p.parse_args(argv)
+    if args.only:
+        return _run_one(args)
     modes = args.modes.split(",")
     if not {"between_rounds", "continuous"} <= set(modes) <= {"between_rounds", "in_flight", "continuous"}:
         raise SystemExit(f"--modes {args.modes!r}: needs between_rounds and continuous (in_flight optional)")
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    os.environ["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
-
-    from hpc_tba.comm.groups import free_ports
-    from hpc_tba.config import ModelConfig, TaskConfig
-    from hpc_tba.engine.vllm_engine import configure_cpu_env
-    from hpc_tba.models.tiny import resolve_model_path
-
-    path = resolve_model_path(ModelConfig(), TaskConfig())
-    configure_cpu_env(core=None, kv_cache_mb=256)
-    ports = free_ports(len(modes))
+    # each mode in a fresh process: threads an earlier mode's engine, receiver or gloo group
+    # leaves behind would otherwise take CPU from the next one
     rows = {}
-    for m, port in zip(modes, ports):
-        rows[m] = run_mode(m, args, path, port)
+    for m in modes:
+        rows[m] = _child(m, argv or sys.argv[1:])
         print(f"bench_inflight: {m}: {rows[m]}", file=sys.stderr, flush=True)  # partial results
-    bare = run_bare(args, path, rows["continuous"]["groups"])
+    bare = _child("bare-vllm", [*(argv or sys.argv[1:]), "--groups", str(rows["continuous"]["groups"])])
     print(f"bench_inflight: bare-vllm: {bare}", file=sys.stderr, flush=True)
     print(f"model: embedded tiny Llama; {args.prompts} prompts x S={args.samples} per round (continuous: "
           f"groups running at once), {args.lengths} response lengths up to {args.max_new_tokens} tokens; "
