@@ -15,11 +15,20 @@ class SearcherConfig:
     temperature: float = 0.7
     """Sampling temperature; log-probs on both sides come from logits / temperature."""
     prompts_per_round: int = 8
-    """Prompts per generation round."""
+    """Prompts per generation round (generation=continuous: groups kept running at once; metrics
+    are logged once per this many finished groups)."""
     update: str = "between_rounds"
     """When an engine applies a new weight version: between_rounds (a response never mixes
     versions) or in_flight (running requests continue on the new weights between decode steps;
     every response token carries the version that produced it)."""
+    generation: str = "rounds"
+    """rounds (an engine admits a round's prompts and drains them before the next) or continuous
+    (the engine keeps prompts_per_round groups running and admits the next prompt whenever one
+    finishes; each group is sent as soon as it is complete; needs update=in_flight and
+    learner.mode=async)."""
+    max_sends_in_flight: int = 64
+    """continuous: no new prompt is admitted while this many of the searcher's trajectory sends
+    are still in flight (not yet taken by the buffer's rank: back-pressure); 0: no bound."""
     staging: str = "auto"
     """Where a received weight version waits for the engine: device (one version in the engine's
     dtype on its GPU), host (pinned host memory), stream (bucket by bucket straight into the
@@ -62,6 +71,15 @@ class SearcherConfig:
             raise ValueError(f"searcher.tensor_parallel_size={self.tensor_parallel_size} must be >= 1")
         if self.update not in ("between_rounds", "in_flight"):
             raise ValueError(f"searcher.update={self.update!r} must be between_rounds or in_flight")
+        if self.generation not in ("rounds", "continuous"):
+            raise ValueError(f"searcher.generation={self.generation!r} must be rounds or continuous")
+        if self.generation == "continuous" and self.update != "in_flight":
+            raise ValueError("searcher.generation=continuous applies new weights between decode steps: "
+                             f"it needs searcher.update=in_flight, not {self.update!r}")
+        if self.max_sends_in_flight < 0:
+            raise ValueError(f"searcher.max_sends_in_flight={self.max_sends_in_flight} must be >= 0 (0: no bound)")
+        if self.prompts_per_round < 1:
+            raise ValueError(f"searcher.prompts_per_round={self.prompts_per_round} must be >= 1")
         if self.staging not in ("auto", "device", "host", "stream"):
             raise ValueError(f"searcher.staging={self.staging!r} must be auto, device, host or stream")
         if self.max_version_span < 0:

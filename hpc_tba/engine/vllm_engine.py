@@ -41,6 +41,15 @@ off in that mode so that a step's tokens all come from the weights loaded before
 loop runs on an out-of-process engine (its `LLMEngine` is a client of the EngineCore process,
 and `apply()` reaches the workers through the channel between two steps).
 
+Continuous generation (`searcher.generation=continuous`, `generate(next_prompt, capacity=...)`):
+the same step loop, but it never drains: up to `capacity` groups (the n samples of one prompt)
+run at once, a group is yielded as soon as its last sample finishes, and the next prompt is
+admitted at once, so the batch stays full and rounds stop being barriers. In-flight updates work
+as above; a round in flight (`sample(..., weights_ready=, apply=)`) is this loop with every
+prompt admitted at the start. With `max_version_span` a running sample that already holds that
+many versions is given up at the next update instead of being re-prefilled (it would be dropped
+at send anyway).
+
 Engine settings from the config: CUDA graphs on GPUs unless `searcher.enforce_eager` (None: eager
 on CPU only), `searcher.stop` strings (kept in the response), and `prompt_fits` for prompts too
 long for `max_model_len - max_new_tokens` (the searcher skips and counts them; vLLM would raise).
@@ -60,7 +69,7 @@ import numpy as np
 import torch
 
 from hpc_tba.config import SearcherConfig
-from hpc_tba.engine.base import Sample
+from hpc_tba.engine.base import Group, PromptSource, Sample
 
 
 def configure_cpu_env(*, core: int | None, kv_cache_mb: int) -> None:
@@ -145,6 +154,9 @@ class VLLMEngine:
         self._request_ids = itertools.count()
         self.updates_in_flight = 0  # versions applied while requests were running
         self.min_tokens = 0  # benchmarks: no EOS before this many tokens (fixed-length responses)
+        # benchmarks and tests, continuous generation: a response length per prompt (EOS masked
+        # until then, the budget cut there), so groups of one batch finish at chosen times
+        self.response_length: Callable[[Sequence[int]], int] | None = None
         kwargs = engine_kwargs(model_path, cfg, seed=seed, device=device)
         if self.in_process:
             _select_engine_mode(in_process=True)
@@ -227,10 +239,17 @@ class VLLMEngine:
                                           weights_ready=weights_ready, apply=apply)
         params = sampling_params(n=n, temperature=temperature, max_tokens=max_tokens, logprobs=0,
                                  seed=seed, **self._stop_kwargs())
+        if self.response_length is not None:  # benchmarks and tests: a length per prompt
+            params = [self._fixed_length(params, p, max_tokens) for p in prompts]
         with self._engine_errors():
             outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params,
                                      use_tqdm=False)
         return [[self._sample(c) for c in o.outputs] for o in outs]
+
+    def _fixed_length(self, params, prompt: Sequence[int], max_tokens: int):
+        params = params.clone()
+        params.max_tokens = params.min_tokens = min(max_tokens, self.response_length(prompt))
+        return params
 
     def _stop_kwargs(self, done: int = 0) -> dict:
         """Stop strings, and the minimum length still owed after `done` tokens."""
@@ -242,36 +261,82 @@ class VLLMEngine:
     def _sample_in_flight(self, prompts: Sequence[Sequence[int]], *, n: int, temperature: float,
                           max_tokens: int, weights_ready: Callable[[], bool],
                           apply: Callable[[], None]) -> list[list[Sample]]:
+        """A round in flight: every prompt admitted at once into the continuous loop."""
+        source = iter(enumerate(prompts))
+        got = {g.key: g.samples for g in self.generate(
+            lambda: next(source, None), n=n, temperature=temperature, max_tokens=max_tokens,
+            capacity=max(len(prompts), 1), weights_ready=weights_ready, apply=apply)}
+        return [got[i] for i in range(len(prompts))]
+
+    def generate(self, next_prompt: PromptSource, *, n: int, temperature: float, max_tokens: int,
+                 capacity: int, weights_ready: Callable[[], bool] | None = None,
+                 apply: Callable[[], None] | None = None,
+                 max_version_span: int = 0) -> Iterator[Group]:
+        """Continuous generation on vLLM's step loop (engine.base.Engine.generate; module
+        docstring). Each of a group's n samples is its own request (vLLM's own `n` fans a request
+        out into n requests the same way; their prompt blocks are shared by the prefix cache)."""
         from vllm.sampling_params import RequestOutputKind
 
+        if (weights_ready is None) != (apply is None):
+            raise ValueError("VLLMEngine.generate: in-flight updates need both weights_ready and apply")
+        if capacity < 1 or n < 1:
+            raise ValueError(f"VLLMEngine.generate: capacity={capacity} and n={n} must be >= 1")
         engine = self.llm.llm_engine
         if engine.has_unfinished_requests():
-            raise RuntimeError("VLLMEngine: in-flight sampling needs an idle engine")
-        runs: dict[str, _Run] = {}
+            raise RuntimeError("VLLMEngine: continuous generation needs an idle engine")
+        runs: dict[str, _Run] = {}  # running requests
+        groups: list[_Group] = []  # admitted, not yet yielded, in admission order
 
         def add(run: _Run) -> None:
-            params = sampling_params(n=1, temperature=temperature, logprobs=0,
-                                     max_tokens=max_tokens - len(run.tokens),
-                                     output_kind=RequestOutputKind.DELTA, **self._stop_kwargs(len(run.tokens)))
+            budget, kw = max_tokens - len(run.tokens), self._stop_kwargs(len(run.tokens))
+            if self.response_length is not None:
+                budget = min(max_tokens, self.response_length(run.prompt)) - len(run.tokens)
+                kw["min_tokens"] = budget
+            params = sampling_params(n=1, temperature=temperature, logprobs=0, max_tokens=budget,
+                                     output_kind=RequestOutputKind.DELTA, **kw)
             rid = f"hpc{next(self._request_ids)}"
             runs[rid] = run
             engine.add_request(rid, {"prompt_token_ids": list(run.prompt) + run.tokens}, params)
 
-        order = [_Run(list(p)) for p in prompts for _ in range(n)]
-        with self._engine_errors():
-            for run in order:
-                add(run)
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    runs[out.request_id].extend(out.outputs[0], self.version, finished=out.finished)
-                running = [rid for rid, r in runs.items() if not r.finished]
-                if running and weights_ready():
-                    engine.abort_request(running)
-                    apply()  # load_weights: new version, prefix cache reset (nothing is running)
-                    self.updates_in_flight += 1
-                    for rid in running:
-                        add(runs.pop(rid))
-        return [[order[i * n + j].sample() for j in range(n)] for i in range(len(prompts))]
+        def admit() -> None:
+            while len(groups) < capacity and (got := next_prompt()) is not None:
+                group = _Group(got[0], [_Run(list(got[1])) for _ in range(n)])
+                groups.append(group)
+                for run in group.runs:
+                    add(run)
+
+        def finished() -> list[Group]:
+            done = [g for g in groups if all(r.finished for r in g.runs)]
+            for g in done:
+                groups.remove(g)
+            return [g.result() for g in done]
+
+        try:
+            with self._engine_errors():
+                admit()
+                while runs:
+                    for out in engine.step():
+                        runs[out.request_id].extend(out.outputs[0], self.version, finished=out.finished)
+                        if out.finished:
+                            del runs[out.request_id]
+                    yield from finished()
+                    if runs and weights_ready is not None and weights_ready():
+                        running = list(runs)
+                        engine.abort_request(running)
+                        aborted = [runs.pop(rid) for rid in running]
+                        apply()  # load_weights: new version, prefix cache reset (nothing is running)
+                        self.updates_in_flight += 1
+                        for run in aborted:  # continued on the new weights, or given up (span cap)
+                            if max_version_span and len(set(run.versions)) >= max_version_span:
+                                run.finished = run.dropped = True
+                            else:
+                                add(run)
+                        yield from finished()
+                    admit()
+        finally:  # closed early (the consumer stopped, or failed): leave the engine idle
+            if runs:
+                with contextlib.suppress(Exception):
+                    engine.abort_request(list(runs))
 
     def greedy(self, prompts: Sequence[Sequence[int]], *, max_tokens: int) -> list[list[int]]:
         params = sampling_params(n=1, temperature=0.0, max_tokens=max_tokens, **self._stop_kwargs())
@@ -380,6 +445,7 @@ class _Run:
     logp: list[float] = dataclasses.field(default_factory=list)
     versions: list[int] = dataclasses.field(default_factory=list)
     finished: bool = False
+    dropped: bool = False  # given up at an update (it would span more than max_version_span)
 
     def extend(self, completion, version: int, *, finished: bool) -> None:
         """Append a step's new tokens (a DELTA output), stamped with the engine's version."""
@@ -392,6 +458,18 @@ class _Run:
     def sample(self) -> Sample:
         return Sample(np.asarray(self.tokens, dtype=np.int32), np.asarray(self.logp, dtype=np.float32),
                       np.asarray(self.versions, dtype=np.int64))
+
+
+@dataclasses.dataclass
+class _Group:
+    """The n runs of one admitted prompt (continuous generation)."""
+
+    key: object
+    runs: list[_Run]
+
+    def result(self) -> Group:
+        return Group(self.key, [r.sample() for r in self.runs if not r.dropped],
+                     sum(r.dropped for r in self.runs))
 
 
 class _EngineWatchdog:
