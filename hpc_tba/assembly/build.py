@@ -38,16 +38,19 @@ def build_learner(cfg: RunConfig, transport, topo: Topology, groups, model_path:
     from hpc_tba.config import resolve_wire_dtype, to_yaml
     from hpc_tba.roles.learner import Learner
 
-    lrank = topo.learner_ranks.index(transport.rank)
     learner_cfg = dataclasses.replace(cfg.learner, sync_wire_dtype=resolve_wire_dtype(cfg.learner, cfg.searcher))
-    shard = BufferShard(cfg.buffer, shard_id=lrank, num_shards=topo.num_learners,
-                        directory=os.path.join(cfg.run_dir, "buffer"), seed=cfg.learner.seed)
+    # Shards follow the data-parallel replica; an SP follower's stays empty and unlogged (its
+    # leader hands it every step's batch, roles/parallel.py).
+    owner = topo.sp_rank(transport.rank) == 0
+    shard = BufferShard(cfg.buffer, shard_id=topo.dp_rank(transport.rank), num_shards=topo.dp_size,
+                        directory=os.path.join(cfg.run_dir, "buffer") if owner else None,
+                        seed=cfg.learner.seed)
     learner = Learner(cfg=learner_cfg, loss=cfg.algo, shard=shard, k=cfg.searcher.k,
                       temperature=cfg.searcher.temperature, model_path=model_path,
                       transport=transport, topo=topo, sync_group=groups.sync_group,
                       run_dir=cfg.run_dir, preemption=preemption)
     learner.config_yaml = to_yaml(cfg)
-    if cfg.task.name == "offline":
+    if cfg.task.name == "offline" and owner:
         _fill_offline(cfg, shard, model_path)
     resume_from = resolve_resume(cfg.run_dir, cfg.resume)
     if resume_from is not None:
