@@ -170,3 +170,22 @@ def test_local_windows_cover_the_padded_sequence():
     assert [(a, b) for _, a, b in parts] == [(0, 2), (2, 4), (4, 6)]
     torch.testing.assert_close(torch.cat([p["input_ids"] for p, _, _ in parts], 1)[:, :5], ids)
     assert parts[2][0]["position_ids"].tolist() == [[4, 5], [4, 5]]
+
+
+# ---------------------------------------------------------------- planner
+def test_planner_splits_activations_and_names_the_next_lever():
+    from hpc_tba.assembly.compose import compose
+    from hpc_tba.planner import PlanOptions, make_plan
+
+    fast = PlanOptions(deepspeed=False)
+    long = ["+experiment=tba_70b", "searcher.max_new_tokens=32256", "searcher.max_model_len=32768",
+            "learner.micro_batch_size=1"]
+    one = make_plan(compose(long), fast)
+    assert not one.fits and "learner.micro_batch_size" not in one.problems[0]  # it is already 1
+    assert "set learner.sequence_parallel_size=2" in one.problems[0], one.problems
+    two = make_plan(compose([*long, "learner.sequence_parallel_size=2"]), fast)
+    assert two.fits, two.problems
+    assert two.micro_batch_tokens == 16384 and two.terms["activations"] == pytest.approx(one.terms["activations"] / 2)
+    preset = make_plan(compose(["+experiment=tba_70b_long"]), fast)
+    assert preset.fits, preset.problems
+    assert compose(["+experiment=tba_70b_long"]).searcher.max_new_tokens >= 32768

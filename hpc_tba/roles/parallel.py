@@ -176,32 +176,41 @@ def build(sp_size: int, num_learners: int, lrank: int, *, timeout_s: float) -> S
     return SequenceParallel(sp_size, lrank - leader, mine, leader)
 
 
-def enable(model, sp: SequenceParallel) -> None:
-    """Switch `model` (a transformers causal LM) to Ulysses attention over `sp`'s group; refuses,
-    by name, what the split cannot do exactly."""
-    if not sp.enabled:
-        return
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    impl = getattr(model.config, "_attn_implementation", None)
-    where = f"learner.sequence_parallel_size={sp.size}"
-    if impl == ATTENTION:
-        return
-    if impl not in _CORES:
-        raise ValueError(f"{where} needs sdpa or flash attention, but {type(model).__name__} runs "
+def check_split(config, size: int) -> None:
+    """Refuse, by name, a model Ulysses cannot split exactly over `size` ranks (a transformers
+    config; the planner's dry run asks too)."""
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    impl = getattr(config, "_attn_implementation", None)
+    where = f"learner.sequence_parallel_size={size}"
+    if impl not in _CORES + (ATTENTION,):
+        raise ValueError(f"{where} needs sdpa or flash attention, but the model runs "
                          f"attn_implementation={impl!r} (a masked attention cannot be split)")
     heads, kv = cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)
-    if heads % sp.size or kv % sp.size:
+    if heads % size or kv % size:
         raise ValueError(f"{where} must divide the model's {heads} attention heads and {kv} "
                          "key/value heads (Ulysses gives every SP rank whole heads)")
+
+
+def enable(model, sp: SequenceParallel) -> None:
+    """Switch `model` (a transformers causal LM) to Ulysses attention over `sp`'s group; refuses,
+    by name, what the split cannot do exactly (check_split)."""
+    if not sp.enabled:
+        return
+    config = model.config
+    impl = getattr(config, "_attn_implementation", None)
+    check_split(config, sp.size)
+    if impl == ATTENTION:
+        return
     if _STATE.get("core", impl) != impl:
-        raise ValueError(f"{where}: the policy and the reference run different attentions")
+        raise ValueError(f"learner.sequence_parallel_size={sp.size}: the policy and the reference "
+                         "run different attentions")
     from transformers import AttentionInterface
 
     _STATE.update(group=sp.group, core=impl)
     AttentionInterface.register(ATTENTION, ulysses_attention)
-    for c in {id(model.config): model.config, id(cfg): cfg}.values():
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for c in {id(config): config, id(text): text}.values():
         c._attn_implementation = ATTENTION
-
 
 _SHARD_OWNED = ("loss/", "samples/", "buffer/")
 """Metrics an SP follower does not report: summed ones (its leader reports the replica's share)
