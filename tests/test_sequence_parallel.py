@@ -20,7 +20,7 @@ from conftest import gloo_deepspeed, spawn_ranks
 from hpc_tba.comm.groups import free_ports
 from hpc_tba.topology import LayoutError, Topology
 
-G, K = 2, 3
+G, K = 3, 3
 OBJECTIVES = {"tb": {}, "topr": {}, "grpo": {"kl_coef": 0.04}, "alol": {}}
 CLIP = 0.02
 
@@ -34,13 +34,15 @@ def _batch():
     from hpc_tba.messages import SampledBatch
 
     rng = np.random.default_rng(11)
-    prompts = [rng.integers(3, 21, n).astype(np.int32) for n in (4, 7)]
-    lengths = [5, 2, 9, 1, 6, 3]  # prompt + response: 9, 6, 13 | 8, 13, 10 (odd and even)
+    prompts = [rng.integers(3, 21, n).astype(np.int32) for n in (4, 7, 9)]
+    # prompt + response: 9, 6, 13 | 8, 13, 10 (odd and even) | 10, 11, 10: a micro-batch of the
+    # last group predicts tokens only from positions >= 8, i.e. on SP rank 1 only
+    lengths = [5, 2, 9, 1, 6, 3, 1, 2, 1]
     responses = [rng.integers(3, 21, n).astype(np.int32) for n in lengths]
     return SampledBatch(
         prompt_ids=np.repeat(np.arange(G), K).astype(np.int64), group_ids=np.repeat(np.arange(G), K),
         prompt_tokens=[prompts[i // K] for i in range(G * K)], response_tokens=responses,
-        rewards=np.array([1.0, 0.0, 1.0, 0.0, 0.0, 1.0], np.float32),
+        rewards=np.array([1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0], np.float32),
         logp_behavior=[rng.normal(-3, 0.3, len(r)).astype(np.float32) for r in responses],
         policy_versions=np.zeros(G * K, dtype=np.int64))
 

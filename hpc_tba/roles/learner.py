@@ -336,7 +336,7 @@ class Learner:
         out["train/lr"] = float(self.engine.get_lr()[0])
         if self.is_main:
             self.log.histogram(self.step, "buffer/staleness", staleness_lags(batch, self.step))
-        return out if self.sp.is_leader else parallel.follower_metrics(out)
+        return parallel.step_metrics(self.sp, out, dev)
 
     def _logprobs(self, model, packed: PackedBatch) -> torch.Tensor:
         """Chosen-token log-probs of `model` (the policy engine or the reference), chunked."""
@@ -452,7 +452,8 @@ class Learner:
                                        "test/at_time_s": self.version_time.get(version, 0.0)})
 
     def _postfix(self, m: dict[str, float]) -> dict[str, str]:
-        out = {"reward": f"{m.get('reward/sampled_mean', 0):.2f}", "buf": f"{int(m.get('buffer/size', 0))}"}
+        # (an SP follower's buffer/size is NaN: it holds no shard)
+        out = {"reward": f"{m.get('reward/sampled_mean', 0):.2f}", "buf": f"{m.get('buffer/size', 0):.0f}"}
         if self.pass_at_1:
             out["pass@1"] = f"{self.pass_at_1[max(self.pass_at_1)]:.2f}"
         return out

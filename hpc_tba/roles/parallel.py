@@ -217,7 +217,15 @@ _SHARD_OWNED = ("loss/", "samples/", "buffer/")
 and those of the buffer shard it does not hold."""
 
 
-def follower_metrics(metrics: dict[str, float]) -> dict[str, float]:
-    """An SP follower's step metrics: the same keys, NaN where its leader speaks for the replica
+def step_metrics(sp: SequenceParallel, metrics: dict[str, float], device) -> dict[str, float]:
+    """A step's metrics with the same keys on every SP peer: the leader's key set (an empty
+    shard reports fewer buffer keys), NaN on a follower where its leader speaks for the replica
     (comm.metrics reduces over the ranks that have a value)."""
-    return {k: float("nan") if k.startswith(_SHARD_OWNED) else v for k, v in metrics.items()}
+    if not sp.enabled:
+        return metrics
+    box = [sorted(metrics) if sp.is_leader else None]
+    dist.broadcast_object_list(box, src=sp.leader, group=sp.group, device=device)
+    if sp.is_leader:
+        return metrics
+    nan = float("nan")
+    return {k: nan if k.startswith(_SHARD_OWNED) else metrics.get(k, nan) for k in box[0]}

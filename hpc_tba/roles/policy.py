@@ -108,7 +108,10 @@ def _head_forward(head: torch.nn.Module, batch: PackedBatch, temperature: float,
     def forward(hidden: torch.Tensor) -> torch.Tensor:
         picked = hidden[rows, positions]  # [N, H]: no padding, no prompt positions
         parts = []
-        for start in range(0, picked.shape[0], chunk):
+        # at least one (maybe empty) chunk: the output stays attached to the hidden states and the
+        # head's weight even when no response token is here (an SP rank whose positions are all
+        # prompt), so every rank's backward runs the same collectives (ZeRO-3, all-to-alls)
+        for start in range(0, max(picked.shape[0], 1), chunk):
             args = (picked[start: start + chunk], head.weight, getattr(head, "bias", None),
                     targets[start: start + chunk], temperature)
             if torch.is_grad_enabled():  # keep only the chunk's hidden states, recompute logits
@@ -116,7 +119,7 @@ def _head_forward(head: torch.nn.Module, batch: PackedBatch, temperature: float,
             else:
                 parts.append(_chosen_logprobs(*args))
         dtype = torch.promote_types(picked.dtype, torch.float32)
-        flat = torch.cat(parts) if parts else picked.new_zeros(0, dtype=dtype)
+        flat = torch.cat(parts)
         out = torch.zeros(batch.response_mask.shape, dtype=dtype, device=flat.device)
         return out.index_put((rows, cols), flat)
 
