@@ -191,3 +191,26 @@ def test_planner_splits_activations_and_names_the_next_lever():
     preset = make_plan(compose(["+experiment=tba_70b_long"]), fast)
     assert preset.fits, preset.problems
     assert compose(["+experiment=tba_70b_long"]).searcher.max_new_tokens >= 32768
+
+
+# ---------------------------------------------------------------- end to end
+@pytest.mark.long
+def test_train_with_sp2_syncs_exactly(tmp_path):
+    """`hpc-tba train cluster.num_learners=2 learner.sequence_parallel_size=2 learner.sync_check=true`:
+    the weights the searchers receive (gathered ZeRO-3 shards) give the learner's log-probs."""
+    import json
+    import subprocess
+
+    from conftest import HPC_TBA
+
+    run_dir = tmp_path / "run"
+    cmd = [HPC_TBA, "train", "cluster.num_learners=2", "learner.sequence_parallel_size=2",
+           "learner.sync_check=true", "learner.total_steps=4", "learner.sync_every=2", "learner.eval_every=0",
+           "cluster.num_searchers=1", f"run_dir={run_dir}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 4
+    gaps = summary["sync_logprob_gap"]["2"]
+    assert sorted(int(v) for v in gaps) == [2, 4] and max(gaps.values()) < 1e-4, gaps
+    assert (run_dir / "final_model" / "config.json").is_file()
