@@ -343,7 +343,7 @@ def main() -> int:
                     help="glibc M_MMAP_THRESHOLD of the measured processes (0: glibc's dynamic default)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--sp-child", help=argparse.SUPPRESS)
-    ap.add_argument("--sp-k", type=int, default=2, help="sequences of the sequence-parallel figures")
+    ap.add_argument("--sp-k", type=int, default=4, help="sequences of the sequence-parallel figures")
     ap.add_argument("--sp-only", action="store_true", help="only the sequence-parallel figures")
     a = ap.parse_args()
     if a.child:
