@@ -100,7 +100,7 @@ def _manifest(plan: Plan, cfg: RunConfig, model) -> object:
 
 
 def _micro_batches(plan: Plan, cfg: RunConfig) -> None:
-    from hpc_tba.roles import microbatch
+    from hpc_tba.roles import microbatch, parallel
     from hpc_tba.roles.policy import pack
 
     s, g, k = cfg.searcher, cfg.learner.prompts_per_step, cfg.searcher.k
@@ -109,13 +109,16 @@ def _micro_batches(plan: Plan, cfg: RunConfig) -> None:
     groups = np.repeat(np.arange(g), k)
     split = microbatch.plan(lengths, groups, cfg.learner.micro_batch_size or k)
     prompt, response = np.zeros(prompt_len, dtype=np.int64), np.zeros(resp_len, dtype=np.int64)
-    shapes = [tuple(pack([prompt] * len(rows), [response] * len(rows), pad_id=0).input_ids.shape)
-              for rows in split.rows]
+    # each SP rank's positions (roles.parallel: the split the learner runs; SP 1: all of them)
+    sp = parallel.SequenceParallel(cfg.learner.sequence_parallel_size, 0, None, 0)
+    shapes = [tuple(sp.local_inputs(pack([prompt] * len(rows), [response] * len(rows), pad_id=0).input_ids)[0]
+                    ["input_ids"].shape) for rows in split.rows]
     plan.lines.append(f"    micro-batches of a worst-case step ({g} x {k} sequences of "
                       f"{s.max_model_len} tokens): {len(shapes)} x {shapes[0]}"
                       f"{'' if len(set(shapes)) == 1 else f' .. {shapes[-1]}'}")
     _check(plan, "sequences in the largest micro-batch", plan.micro_batch, max(r for r, _ in shapes))
-    _check(plan, "tokens in the largest micro-batch", plan.micro_batch_tokens, max(math.prod(x) for x in shapes))
+    _check(plan, "tokens in the largest micro-batch (per SP rank)", plan.micro_batch_tokens,
+           max(math.prod(x) for x in shapes))
 
 
 def _staging(plan: Plan, cfg: RunConfig, manifest) -> None:
@@ -145,3 +148,12 @@ def dry_run(plan: Plan, cfg: RunConfig, spec: ModelSpec) -> None:
         manifest = _manifest(plan, cfg, model)
         _staging(plan, cfg, manifest)
     _micro_batches(plan, cfg)
+    if cfg.learner.sequence_parallel_size > 1:  # the learner's own refusal, on the model's config
+        from hpc_tba.roles import parallel
+
+        try:
+            parallel.check_split(model.config, cfg.learner.sequence_parallel_size)
+            plan.lines.append(f"    sequence parallel {cfg.learner.sequence_parallel_size}: heads split "
+                              f"exactly ({model.config._attn_implementation} attention)")
+        except ValueError as e:
+            plan.problems.append(f"dry run: {e}")

@@ -18,8 +18,11 @@ Learner, per rank, ZeRO-3 over N learner ranks (P parameters, bytes per paramete
   `searcher.max_model_len` tokens (a prompt of at most max_model_len - max_new_tokens plus a
   response of at most max_new_tokens), with or without `learner.gradient_checkpointing`, and
   one chunk of logits (`learner.logprob_chunk_tokens` positions): see hpc_tba.memory for both
-  counts. Learner rank 0 also holds the weight sender's two slots of the largest bucket. Usable:
-  90% of the GPU (CUDA context, NCCL buffers, fragmentation).
+  counts. Sequence parallelism (`learner.sequence_parallel_size` = SP, hpc_tba.roles.parallel)
+  gives each rank ceil(max_model_len / SP) positions of every sequence: the activation and logit
+  rows count those (the all-to-all buffers are one layer's q, k, v and output, inside the
+  per-layer figure's order of magnitude). Learner rank 0 also holds the weight sender's two
+  slots of the largest bucket. Usable: 90% of the GPU (CUDA context, NCCL buffers, fragmentation).
 Engine, per GPU: weights P x bytes / TP, a fixed runtime overhead, and the KV cache in what is
   left of gpu_memory_utilization x GPU; 2 x layers x kv_heads x head_dim x bytes per token / TP.
   Refused when the weights do not fit or the cache cannot hold one max_model_len sequence (vLLM
@@ -164,18 +167,21 @@ def _activations(plan: Plan, cfg: RunConfig, spec: ModelSpec) -> float:
     lr, s = cfg.learner, cfg.searcher
     a = DTYPE_BYTES[lr.dtype]
     b = plan.micro_batch = micro_batch_of(cfg)
-    tokens = plan.micro_batch_tokens = b * s.max_model_len
+    sp = lr.sequence_parallel_size
+    seq = -(-s.max_model_len // sp)  # this rank's positions of one sequence (roles.parallel)
+    tokens = plan.micro_batch_tokens = b * seq
     act = activation_bytes(spec, tokens=tokens, dtype_bytes=a, checkpointing=lr.gradient_checkpointing)
     src = "learner.micro_batch_size" if lr.micro_batch_size else "K (micro_batch_size 0)"
+    rows = f"{spec.num_layers} layers x {b} x {seq} tokens ({src}" + (
+        f"; {s.max_model_len} / SP {sp})" if sp > 1 else ")")
     if lr.gradient_checkpointing:
-        total = plan.row("activations: layer inputs (checkpointing)", act.boundaries,
-                         f"{spec.num_layers} layers x {b} x {s.max_model_len} tokens ({src})")
+        total = plan.row("activations: layer inputs (checkpointing)", act.boundaries, rows)
         total += plan.row("activations: one layer recomputed", act.live_layers)
     else:
-        total = plan.row("activations: every layer (no checkpointing)", act.live_layers,
-                         f"{spec.num_layers} layers x {b} x {s.max_model_len} tokens ({src})")
+        total = plan.row("activations: every layer (no checkpointing)", act.live_layers, rows)
     plan.terms["activations"] = total
-    chunk = min(lr.logprob_chunk_tokens, b * s.max_new_tokens)
+    plan.terms["activations_sp1"] = total * sp  # linear in tokens: what one rank would hold alone
+    chunk = min(lr.logprob_chunk_tokens, b * -(-s.max_new_tokens // sp))
     return total + plan.row("logits: one chunk (+ fp32 log-softmax, grad)",
                             logit_bytes(spec, chunk_tokens=chunk, dtype_bytes=a),
                             f"{chunk} positions x vocab {spec.vocab_size}", key="logits")
@@ -186,7 +192,8 @@ def _learner(plan: Plan, cfg: RunConfig, spec: ModelSpec, opt: PlanOptions, gpus
     c, lr = cfg.cluster, cfg.learner
     n = max(cfg.cluster.num_learners, 1)
     where = "GPUs" if gpus else "CPU ranks"
-    plan.lines.append(f"  learner, per rank (ZeRO-{lr.zero_stage} over {n} {where}, {lr.dtype}, "
+    sp = f", sequence parallel {lr.sequence_parallel_size}" if lr.sequence_parallel_size > 1 else ""
+    plan.lines.append(f"  learner, per rank (ZeRO-{lr.zero_stage} over {n} {where}{sp}, {lr.dtype}, "
                       f"checkpointing={lr.gradient_checkpointing}, offload optimizer="
                       f"{lr.offload_optimizer} params={lr.offload_params}):")
     total = _model_states(plan, cfg, spec, n) + _activations(plan, cfg, spec)
@@ -198,7 +205,7 @@ def _learner(plan: Plan, cfg: RunConfig, spec: ModelSpec, opt: PlanOptions, gpus
         plan.lines.append(f"    {'total':<44} {total / GiB:9.2f} GiB  of {capacity / GiB:.2f} "
                           f"usable ({USABLE_FRACTION:.0%} of {c.gpu_memory_gb:g} GB)")
         if total > capacity:
-            plan.problems.append(_learner_refusal(plan, cfg, total, capacity))
+            plan.problems.append(_learner_refusal(plan, cfg, spec, total, capacity))
     pb, ob = DTYPE_BYTES[lr.dtype], 12 if lr.dtype == "bf16" else 8
     per_rank = (ob * lr.offload_optimizer + 2 * pb * lr.offload_params) * spec.params / n
     if per_rank and c.cpu_memory_gb:
@@ -210,21 +217,40 @@ def _learner(plan: Plan, cfg: RunConfig, spec: ModelSpec, opt: PlanOptions, gpus
     _compare_deepspeed(plan, spec, opt, gpus, cfg)
 
 
-def _learner_refusal(plan: Plan, cfg: RunConfig, total: float, capacity: float) -> str:
+def _learner_refusal(plan: Plan, cfg: RunConfig, spec: ModelSpec, total: float, capacity: float) -> str:
     """The reason a learner layout does not fit: the largest term and what would shrink it."""
     lr, t = cfg.learner, plan.terms
     head = f"learner needs {total / GiB:.1f} GiB per GPU but {capacity / GiB:.1f} GiB are usable"
     states = t["params"] + t["grads"] + t["optimizer"] + t["reference"]
     if t["activations"] >= states:
+        smaller = " or lower learner.micro_batch_size" if plan.micro_batch > 1 else ""
         if not lr.gradient_checkpointing:
             return (f"{head}: activations without gradient checkpointing take "
                     f"{t['activations'] / GiB:.1f} GiB (every layer of {plan.micro_batch_tokens} "
-                    f"tokens): set learner.gradient_checkpointing=true or lower "
-                    f"learner.micro_batch_size")
-        return (f"{head}: activations of a {plan.micro_batch}-sequence micro-batch take "
-                f"{t['activations'] / GiB:.1f} GiB: lower learner.micro_batch_size")
+                    f"tokens): set learner.gradient_checkpointing=true{smaller}")
+        what = f"{head}: activations of a {plan.micro_batch}-sequence micro-batch take {t['activations'] / GiB:.1f} GiB"
+        if plan.micro_batch > 1:
+            return f"{what}: lower learner.micro_batch_size"
+        return f"{what}: {_sequence_lever(cfg, plan, spec, total, capacity)}"
     return (f"{head}: model states take {states / GiB:.1f} GiB: add learner nodes, or offload "
             f"(learner.offload_optimizer=true, learner.offload_params=true)")
+
+
+def _sequence_lever(cfg: RunConfig, plan: Plan, spec: ModelSpec, total: float, capacity: float) -> str:
+    """The next lever for one sequence's activations (the micro-batch is already 1): the
+    smallest sequence-parallel size that fits (it must divide the GPUs per node and the
+    model's heads), else what is left."""
+    lr, gpus, t = cfg.learner, cfg.cluster.gpus_per_node, plan.terms
+    rest = total - t["activations"]
+    for sp in range(lr.sequence_parallel_size + 1, max(gpus, 1) + 1):
+        if gpus % sp or spec.num_heads % sp or spec.num_kv_heads % sp or cfg.cluster.num_learners % sp:
+            continue
+        if rest + t["activations_sp1"] / sp <= capacity:
+            return (f"set learner.sequence_parallel_size={sp} (Ulysses: each of {sp} ranks holds "
+                    f"1/{sp} of every sequence's activations)")
+    return ("sequence parallelism within a node cannot split it enough (learner.sequence_parallel_size "
+            f"is at most the {gpus} GPUs per node and must divide the model's heads); learner tensor "
+            "parallelism is not implemented yet: shorten searcher.max_model_len")
 
 
 def _compare_deepspeed(plan: Plan, spec: ModelSpec, opt: PlanOptions, gpus: int,

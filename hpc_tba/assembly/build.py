@@ -39,10 +39,13 @@ def build_learner(cfg: RunConfig, transport, topo: Topology, groups, model_path:
     from hpc_tba.config import resolve_wire_dtype, to_yaml
     from hpc_tba.roles.learner import Learner
 
-    lrank = topo.learner_ranks.index(transport.rank)
     learner_cfg = dataclasses.replace(cfg.learner, sync_wire_dtype=resolve_wire_dtype(cfg.learner, cfg.searcher))
-    shard = BufferShard(cfg.buffer, shard_id=lrank, num_shards=topo.num_learners,
-                        directory=os.path.join(cfg.run_dir, "buffer"), seed=cfg.learner.seed)
+    # Shards follow the data-parallel replica; an SP follower's stays empty and unlogged (its
+    # leader hands it every step's batch, roles/parallel.py).
+    owner = topo.sp_rank(transport.rank) == 0
+    shard = BufferShard(cfg.buffer, shard_id=topo.dp_rank(transport.rank), num_shards=topo.dp_size,
+                        directory=os.path.join(cfg.run_dir, "buffer") if owner else None,
+                        seed=cfg.learner.seed)
     resume_from = resolve_resume(cfg.run_dir, cfg.resume)
     learner = Learner(cfg=learner_cfg, loss=cfg.algo, shard=shard, k=cfg.searcher.k,
                       temperature=cfg.searcher.temperature, model_path=model_path,
@@ -51,7 +54,7 @@ def build_learner(cfg: RunConfig, transport, topo: Topology, groups, model_path:
     learner.config_yaml = to_yaml(cfg)
     if cfg.cluster.checkpoint_staging_dir:
         learner.staging_dir = staging_dir(cfg.cluster.checkpoint_staging_dir, cfg.run_dir)
-    if cfg.task.name == "offline":
+    if cfg.task.name == "offline" and owner:
         _fill_offline(cfg, shard, model_path)
     if resume_from is not None:
         learner.resume(resume_from)

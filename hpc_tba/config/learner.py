@@ -74,6 +74,12 @@ class LearnerConfig:
     """Consecutive NaN/inf losses (each skipped) after which the run stops with an error."""
     export_final: bool = True
     """Write the final policy as a Hugging Face directory `<run_dir>/final_model`."""
+    sequence_parallel_size: int = 1
+    """Ulysses sequence parallelism: SP consecutive learner ranks split each sequence's positions
+    (attention by all-to-all, hpc_tba/roles/parallel.py); must divide cluster.num_learners and
+    the model's attention and key/value heads. Activation memory per rank ~1/SP."""
+    tensor_parallel_size: int = 1
+    """DeepSpeed AutoTP inside a node: not implemented yet, only 1 is accepted."""
 
     def __post_init__(self) -> None:
         if self.total_steps < 1 or self.prompts_per_step < 1:
@@ -101,6 +107,17 @@ class LearnerConfig:
                              "learner.logprob_chunk_tokens >= 1")
         if self.dtype not in ("fp32", "bf16"):
             raise ValueError(f"learner.dtype={self.dtype!r} must be fp32 or bf16")
+        if self.sequence_parallel_size < 1 or self.tensor_parallel_size < 1:
+            raise ValueError("learner.sequence_parallel_size and learner.tensor_parallel_size must be >= 1")
+        if self.tensor_parallel_size > 1 and self.sequence_parallel_size > 1:
+            raise ValueError(f"learner.tensor_parallel_size={self.tensor_parallel_size} with "
+                             f"learner.sequence_parallel_size={self.sequence_parallel_size}: tensor "
+                             "and sequence parallelism do not combine in one DeepSpeed engine (AutoTP "
+                             "replaces the engine's process groups); choose one")
+        if self.tensor_parallel_size > 1:
+            raise ValueError(f"learner.tensor_parallel_size={self.tensor_parallel_size}: learner tensor "
+                             "parallelism (DeepSpeed AutoTP) is not implemented yet; use "
+                             "learner.sequence_parallel_size for long sequences")
 
 
 def resolve_wire_dtype(learner: LearnerConfig, searcher: SearcherConfig) -> str:

@@ -21,6 +21,7 @@ SCRIPTS_DIR = REPO / "slurm"
 # The scripts shipped in slurm/: name -> the Hydra overrides baked into it.
 PRESETS: dict[str, tuple[str, ...]] = {
     "tba_70b": ("+experiment=tba_70b",),
+    "tba_70b_long": ("+experiment=tba_70b_long",),
     "tba_8b": ("+experiment=tba_8b",),
     "tiny_cpu": ("cluster=slurm_cpu",),
 }

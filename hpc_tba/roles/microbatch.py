@@ -173,3 +173,11 @@ def accumulate(cfg: AlgoConfig, inputs: LossInputs, p: MicroPlan, *,
         loss, metrics = compute_loss(cfg, dataclasses.replace(inputs, logp=final), step=step,
                                      normalizer=normalizer)
     return loss, metrics, final
+
+
+def group_advantages(rewards: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    """A = R − mean R of the prompt's group ([B], on the rewards' device)."""
+    means = torch.zeros(int(groups.max()) + 1, dtype=rewards.dtype, device=rewards.device).index_add_(
+        0, groups, rewards)
+    counts = torch.zeros_like(means).index_add_(0, groups, torch.ones_like(rewards))
+    return rewards - (means / counts.clamp(min=1))[groups]

@@ -91,16 +91,27 @@ def _chosen_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
-def _head_forward(head: torch.nn.Module, batch: PackedBatch, temperature: float, chunk: int):
-    """A replacement `forward` of the output head: hidden [B, L, H] -> [B, T] chosen log-probs."""
-    rows, cols = batch.response_mask.nonzero(as_tuple=True)  # response positions only
+def _head_forward(head: torch.nn.Module, batch: PackedBatch, temperature: float, chunk: int,
+                  window: tuple[int, int] | None = None):
+    """A replacement `forward` of the output head: hidden [B, L, H] -> [B, T] chosen log-probs.
+
+    `window` (sequence parallelism): the hidden states are those of positions [start, stop)
+    only; the tokens those positions predict get their log-probs, every other one 0.
+    """
+    mask = batch.response_mask
+    if window is not None:
+        mask = mask & (batch.logit_index >= window[0]) & (batch.logit_index < window[1])
+    rows, cols = mask.nonzero(as_tuple=True)  # response positions only (of the window)
     targets = batch.response_ids[rows, cols]
-    positions = batch.logit_index[rows, cols]
+    positions = batch.logit_index[rows, cols] - (0 if window is None else window[0])
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
         picked = hidden[rows, positions]  # [N, H]: no padding, no prompt positions
         parts = []
-        for start in range(0, picked.shape[0], chunk):
+        # at least one (maybe empty) chunk: the output stays attached to the hidden states and the
+        # head's weight even when no response token is here (an SP rank whose positions are all
+        # prompt), so every rank's backward runs the same collectives (ZeRO-3, all-to-alls)
+        for start in range(0, max(picked.shape[0], 1), chunk):
             args = (picked[start: start + chunk], head.weight, getattr(head, "bias", None),
                     targets[start: start + chunk], temperature)
             if torch.is_grad_enabled():  # keep only the chunk's hidden states, recompute logits
@@ -108,7 +119,7 @@ def _head_forward(head: torch.nn.Module, batch: PackedBatch, temperature: float,
             else:
                 parts.append(_chosen_logprobs(*args))
         dtype = torch.promote_types(picked.dtype, torch.float32)
-        flat = torch.cat(parts) if parts else picked.new_zeros(0, dtype=dtype)
+        flat = torch.cat(parts)
         out = torch.zeros(batch.response_mask.shape, dtype=dtype, device=flat.device)
         return out.index_put((rows, cols), flat)
 
@@ -157,12 +168,14 @@ def _head_swapped(model, forward):
 
 
 def response_logprobs(model, batch: PackedBatch, *, temperature: float,
-                      chunk_tokens: int = 1024) -> torch.Tensor:
+                      chunk_tokens: int = 1024, sp=None) -> torch.Tensor:
     """[B, T] log π(response token) from logits / temperature (float32; float64 for a float64
     model); padding positions are 0.
 
     Logits are computed only at the response positions, `chunk_tokens` of them at a time (module
-    docstring); `model` is a Hugging Face causal LM or a DeepSpeed engine around one.
+    docstring); `model` is a Hugging Face causal LM or a DeepSpeed engine around one. `sp` (a
+    roles.parallel.SequenceParallel, its model switched to Ulysses attention): this rank runs its
+    share of the positions, and the peers' log-probs are gathered into the full [B, T].
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -171,8 +184,14 @@ def response_logprobs(model, batch: PackedBatch, *, temperature: float,
     produced: list[torch.Tensor] = []  # a copy of what the head returned ([B, T]: cheap), so that
     # an in-place change of the returned tensor by the forward is seen too
 
+    window = None
+    inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
+    if sp is not None and sp.enabled:
+        inputs, start, stop = sp.local_inputs(batch.input_ids)
+        window = (start, stop)
+
     def swap(head):
-        fwd = _head_forward(head, batch, temperature, chunk_tokens)
+        fwd = _head_forward(head, batch, temperature, chunk_tokens, window)
 
         def forward(hidden):
             out = fwd(hidden)
@@ -181,7 +200,7 @@ def response_logprobs(model, batch: PackedBatch, *, temperature: float,
         return forward
 
     with _head_swapped(model, swap):
-        out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
+        out = model(**inputs)
     # A forward that transforms the head's output (scaling, capping, a bias) returns other values:
     # our log-probs would then be silently wrong, so any family not caught by name stops here.
     # Values, not identity: ZeRO-3's module hooks re-wrap outputs in autograd functions.
@@ -191,4 +210,4 @@ def response_logprobs(model, batch: PackedBatch, *, temperature: float,
                          f"result unchanged as logits (head called {len(produced)} times), so the chunked "
                          f"log-prob head would compute wrong log-probs; this model family is not "
                          f"supported by the learner")
-    return out.logits
+    return out.logits if window is None else sp.gather_logprobs(out.logits)

@@ -1,0 +1,231 @@
+"""The learner's parallel layouts beyond ZeRO-3 data parallelism: Ulysses sequence parallelism.
+
+Layout (hpc_tba.topology): the L learner ranks form D = L / SP data-parallel replicas of SP
+consecutive ranks each (SP peers sit on one node). A replica's SP peers hold the same sampled
+batch (its leader, SP rank 0, owns the buffer shard and broadcasts each step's batch to the
+others: `SequenceParallel.share_batch`), run the same micro-batches in lockstep, and split every
+sequence's positions: the batch is padded to a multiple of SP and SP rank r runs the model on
+positions [r·L/SP, (r+1)·L/SP) with their global `position_ids`.
+
+Attention (`ulysses_attention`, registered with transformers as "hpc_tba_ulysses"): q, k, v of
+the local positions and all heads go through one all-to-all to all positions and H/SP heads, the
+model's own core attention (sdpa or flash) runs causally on the whole sequence, and a second
+all-to-all brings the output back to the local positions and all heads. Sequences are
+right-padded (roles.policy.pack), so causal attention without a padding mask is exact on every
+real position (a real position never sees a later, padded one).
+
+Log-probs and losses: each SP rank computes the chosen-token log-probs of the response tokens
+its positions predict (the chunked head of roles.policy), zeros elsewhere; `gather_logprobs`
+sums them over the SP group so every peer holds the full [B, T] log-probs and computes the same
+loss with the unchanged loss code. Its backward passes the gradient through unchanged (not
+summed over the group: the peers' losses are one loss computed SP times), so the SP peers'
+parameter gradients sum to the gradient of the replica's loss.
+
+Gradient averaging: the DeepSpeed engine keeps its default group (all L learner ranks: ZeRO-3
+partitions over all of them) and AVERAGES gradients over it, i.e. Σ over every rank / L. Every
+DP replica counts its loss units once (`dp_units`: the all-rank sum / SP), and the learner's
+normaliser stays N / L, so the average equals ∇(Σ_rows ℓ / N) exactly.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+
+import torch
+import torch.distributed as dist
+
+ATTENTION = "hpc_tba_ulysses"
+"""The attention implementation name an SP model runs under (transformers AttentionInterface)."""
+
+_CORES = ("sdpa", "flash_attention_2", "flash_attention_3")
+"""Core attentions that run causally from `is_causal`/position ids without a 4D mask."""
+
+_STATE: dict[str, object] = {}  # the process's SP group and the core attention (one SP group a rank)
+
+
+@dataclasses.dataclass
+class SequenceParallel:
+    """This rank's place in the SP layout and its SP process group."""
+
+    size: int
+    rank: int
+    """Position among the SP peers (0: the replica's leader)."""
+    group: object | None
+    """torch.distributed group of the SP peers (None when size is 1)."""
+    leader: int
+    """Rank, in the learners' default group, of the replica's SP rank 0."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.size > 1
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+    # ---------------------------------------------------------------- positions
+    def local_inputs(self, input_ids: torch.Tensor, pad_id: int = 0) -> tuple[dict, int, int]:
+        """The model inputs of this rank's positions and their window [start, stop) in the
+        padded sequence: (input_ids, position_ids), no attention mask (module docstring)."""
+        b, length = input_ids.shape
+        chunk = -(-length // self.size)
+        padded = torch.nn.functional.pad(input_ids, (0, chunk * self.size - length), value=pad_id)
+        start = self.rank * chunk
+        positions = torch.arange(start, start + chunk, device=input_ids.device).expand(b, chunk)
+        return {"input_ids": padded[:, start:start + chunk], "position_ids": positions}, start, start + chunk
+
+    def gather_logprobs(self, local: torch.Tensor) -> torch.Tensor:
+        """The full [B, T] log-probs from each peer's own positions (zeros elsewhere), on every
+        peer; the gradient passes through to this peer's own positions unchanged."""
+        return _SumOfParts.apply(local, self.group) if self.enabled else local
+
+    def dp_units(self, all_rank_units: float) -> float:
+        """Loss units of the whole step, counted once per DP replica (SP peers share a batch)."""
+        return all_rank_units / self.size
+
+    def share_batch(self, batch, device: torch.device):
+        """The leader's batch on every SP peer (the followers pass None)."""
+        if not self.enabled:
+            return batch
+        box = [batch if self.is_leader else None]
+        dist.broadcast_object_list(box, src=self.leader, group=self.group, device=device)
+        return box[0]
+
+
+class _SumOfParts(torch.autograd.Function):
+    """all_reduce(SUM) forward; identity backward (every peer computes the same loss)."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, group) -> torch.Tensor:
+        out = local.detach().clone().contiguous()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+class _AllToAll(torch.autograd.Function):
+    """Equal-split all_to_all_single over dim 0 (of size = group size); the backward is the same
+    exchange of the gradients (an equal-split all-to-all is its own inverse)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        x = x.contiguous()  # first: empty_like keeps a permuted tensor's strides
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        out = torch.empty_like(grad)
+        dist.all_to_all_single(out, grad, group=ctx.group)
+        return out, None
+
+
+def _seq_to_heads(x: torch.Tensor, group, sp: int) -> torch.Tensor:
+    """[B, H, T/SP, D] (local positions, all heads) -> [B, H/SP, T, D] (all positions, my heads)."""
+    b, h, t, d = x.shape
+    x = x.reshape(b, sp, h // sp, t, d).permute(1, 0, 2, 3, 4)  # [SP (head chunk), B, H/SP, t, D]
+    x = _AllToAll.apply(x, group)  # [SP (sequence chunk), B, H/SP, t, D]
+    return x.permute(1, 2, 0, 3, 4).reshape(b, h // sp, sp * t, d)
+
+
+def _heads_to_seq(x: torch.Tensor, group, sp: int) -> torch.Tensor:
+    """[B, T, H/SP, D] (all positions, my heads) -> [B, T/SP, H, D] (local positions, all heads)."""
+    b, t, h, d = x.shape
+    x = x.reshape(b, sp, t // sp, h, d).permute(1, 0, 2, 3, 4)  # [SP (sequence chunk), B, t, H/SP, D]
+    x = _AllToAll.apply(x, group)  # [SP (head chunk), B, t, H/SP, D]
+    return x.permute(1, 2, 0, 3, 4).reshape(b, t // sp, sp * h, d)
+
+
+def ulysses_attention(module, query, key, value, attention_mask, **kwargs):
+    """transformers attention interface: all-to-all, the core attention on the whole sequence
+    (causal, no mask: right padding), all-to-all back. q/k/v are [B, heads, T/SP, D]."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    group, core = _STATE["group"], _STATE["core"]
+    sp = dist.get_world_size(group)
+    q, k, v = (_seq_to_heads(x, group, sp) for x in (query, key, value))
+    positions = kwargs.get("position_ids")
+    if positions is not None:  # flash attention reads them: the whole sequence's
+        kwargs["position_ids"] = torch.arange(q.shape[2], device=q.device).expand(q.shape[0], -1)
+    kwargs["is_causal"] = True
+    out, _ = ALL_ATTENTION_FUNCTIONS[core](module, q, k, v, None, **kwargs)
+    return _heads_to_seq(out, group, sp), None
+
+
+def build(sp_size: int, num_learners: int, lrank: int, *, timeout_s: float) -> SequenceParallel:
+    """This learner's SP layout; every learner rank calls it (it makes every SP group, in order,
+    with the learners' collective timeout)."""
+    if sp_size < 1 or num_learners % sp_size:
+        raise ValueError(f"learner.sequence_parallel_size={sp_size} must divide the "
+                         f"{num_learners} learner ranks")
+    leader = lrank - lrank % sp_size
+    if sp_size == 1:
+        return SequenceParallel(1, 0, None, leader)
+    mine = None
+    for first in range(0, num_learners, sp_size):
+        g = dist.new_group(list(range(first, first + sp_size)),
+                           timeout=datetime.timedelta(seconds=timeout_s))
+        if first == leader:
+            mine = g
+    return SequenceParallel(sp_size, lrank - leader, mine, leader)
+
+
+def check_split(config, size: int) -> None:
+    """Refuse, by name, a model Ulysses cannot split exactly over `size` ranks (a transformers
+    config; the planner's dry run asks too)."""
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    impl = getattr(config, "_attn_implementation", None)
+    where = f"learner.sequence_parallel_size={size}"
+    if impl not in _CORES + (ATTENTION,):
+        raise ValueError(f"{where} needs sdpa or flash attention, but the model runs "
+                         f"attn_implementation={impl!r} (a masked attention cannot be split)")
+    heads, kv = cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)
+    if heads % size or kv % size:
+        raise ValueError(f"{where} must divide the model's {heads} attention heads and {kv} "
+                         "key/value heads (Ulysses gives every SP rank whole heads)")
+
+
+def enable(model, sp: SequenceParallel) -> None:
+    """Switch `model` (a transformers causal LM) to Ulysses attention over `sp`'s group; refuses,
+    by name, what the split cannot do exactly (check_split)."""
+    if not sp.enabled:
+        return
+    config = model.config
+    impl = getattr(config, "_attn_implementation", None)
+    check_split(config, sp.size)
+    if impl == ATTENTION:
+        return
+    if _STATE.get("core", impl) != impl:
+        raise ValueError(f"learner.sequence_parallel_size={sp.size}: the policy and the reference "
+                         "run different attentions")
+    from transformers import AttentionInterface
+
+    _STATE.update(group=sp.group, core=impl)
+    AttentionInterface.register(ATTENTION, ulysses_attention)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for c in {id(config): config, id(text): text}.values():
+        c._attn_implementation = ATTENTION
+
+_SHARD_OWNED = ("loss/", "samples/", "buffer/")
+"""Metrics an SP follower does not report: summed ones (its leader reports the replica's share)
+and those of the buffer shard it does not hold."""
+
+
+def step_metrics(sp: SequenceParallel, metrics: dict[str, float], device) -> dict[str, float]:
+    """A step's metrics with the same keys on every SP peer: the leader's key set (an empty
+    shard reports fewer buffer keys), NaN on a follower where its leader speaks for the replica
+    (comm.metrics reduces over the ranks that have a value)."""
+    if not sp.enabled:
+        return metrics
+    box = [sorted(metrics) if sp.is_leader else None]
+    dist.broadcast_object_list(box, src=sp.leader, group=sp.group, device=device)
+    if sp.is_leader:
+        return metrics
+    nan = float("nan")
+    return {k: nan if k.startswith(_SHARD_OWNED) else metrics.get(k, nan) for k in box[0]}
