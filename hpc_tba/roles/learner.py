@@ -33,6 +33,7 @@ from hpc_tba.config import AlgoConfig, LearnerConfig
 from hpc_tba.losses import LossInputs, loss_units, needs
 from hpc_tba.messages import Done, EvalReport, ProbeReport, SampledBatch, Stop, TrajectoryBatch
 from hpc_tba.roles import microbatch
+from hpc_tba.roles.fresh import FreshRewards
 from hpc_tba.roles.logging import RunLogger, Timers
 from hpc_tba.roles.policy import PackedBatch, pack, pad_per_token, response_logprobs
 from hpc_tba.topology import Topology
@@ -118,6 +119,7 @@ class Learner:
         self.sync_gaps: dict[int, dict[int, float]] = {}  # searcher rank -> version -> max gap
         self.samples = {"received": 0, "trained": 0}  # cumulative responses, this rank
         self._incoming = {"rewards": [], "received": 0, "t": time.time()}  # since the last step
+        self.fresh = FreshRewards()  # reward of received samples per generating version
         self.on_policy: list[TrajectoryBatch] = []  # mode=sync: batches of the current version
         self.timers = Timers()
         self.version_time: dict[int, float] = {}  # version -> seconds into training it was sent
@@ -183,7 +185,10 @@ class Learner:
                     metrics.update(self.sync(evaluate=last or self._eval_due()))
             if self.step % self.cfg.log_every == 0 or last:
                 metrics.update(t.metrics())
-                self.log.scalars(self.step, self._reduce(metrics, sum_prefix=("loss/", "samples/")))
+                metrics.update(self.fresh.closing(self.version, self.cfg.sync_every))
+                metrics["samples/fresh_late"] = float(self.fresh.late)
+                self.log.scalars(self.step, self._log_fresh(
+                    self._reduce(metrics, sum_prefix=("loss/", "samples/", "fresh/"))))
                 self.log.progress(self.step, self._postfix(metrics))
             self.preempted, due = self._step_flags()
             if self.preempted or last or due:
@@ -248,6 +253,7 @@ class Learner:
                 self.on_policy.append(batch)
             self.received[src] = self.received.get(src, 0) + 1
             self._incoming["rewards"].append(float(batch.rewards.mean()))
+            self.fresh.add(batch)
             self.samples["received"] += batch.num_responses
             n += 1
         for src, done in self.transport.receive(Done):
@@ -436,6 +442,14 @@ class Learner:
         self._incoming = {"rewards": [], "received": received, "t": now}
         return out
 
+    def _log_fresh(self, reduced: dict[str, float]) -> dict[str, float]:
+        """Log each closed version's `reward/fresh_by_version` at step v (hpc_tba.roles.fresh);
+        returns the other metrics."""
+        by_version, rest = self.fresh.split(reduced)
+        for v, m in by_version.items():
+            self.log.scalars(v, m)
+        return rest
+
     def _on_eval(self, report: EvalReport) -> None:
         version, correct, total = report.policy_version, float(report.correct), float(report.total)
         acc = self.evals.setdefault(version, [0.0, 0.0, 0])
@@ -467,6 +481,7 @@ class Learner:
         while set(self.done) != searchers or any(self.received.get(r, 0) < self.done[r] for r in searchers):
             self.receive()
             time.sleep(POLL_S)
+        self._log_fresh(self._reduce(self.fresh.closing(self.version, self.cfg.sync_every, final=True), op="sum"))
         self.sender.stop()
         self.shard.flush()
         if self.cfg.export_final and not self.preempted and self.model_path is not None:
