@@ -133,8 +133,8 @@ def draw_report(run_dirs: list[str], out: str) -> str:
     _utilisation(ax[1, 2], runs)
     for a, title, xl, yl in ((ax[0, 0], "held-out pass@1 (greedy) by learner step", "learner step", "pass@1"),
                              (ax[0, 1], "held-out pass@1 by training time", "seconds", "pass@1"),
-                             (ax[1, 0], "reward by step: trained samples (mean of 10), "
-                              "fresh by version (dashed)", "learner step / policy version", "reward"),
+                             (ax[1, 0], "reward: trained (mean of 10), fresh by version (dashed)",
+                              "learner step / policy version", "reward"),
                              (ax[1, 1], "reward by time: trained (mean of 10), fresh (dashed)",
                               "seconds", "reward")):
         a.set_title(title)

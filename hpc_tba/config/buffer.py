@@ -11,7 +11,14 @@ DUPLICATE_RULES = ("drop", "count")
 
 @dataclasses.dataclass
 class BufferConfig:
-    """Replay buffer: one shard per learner rank; defaults are TBA's GSM8K run."""
+    """Replay buffer: one shard per learner rank; defaults are TBA's GSM8K run.
+
+    `duplicates`: drop (TBA's rule) is the default on evidence (docs/RESULTS.md, "The buffer's
+    duplicate rule"): on the embedded task over 3 seeds, drop gained +13.7 ± 1.3 points of
+    held-out pass@1 in 150 steps, count +9.8 ± 2.3. Under drop the trained samples' reward falls as
+    the policy improves (one copy of a frequent correct answer is kept); the policy's own reward is
+    `reward/fresh_by_version`, which rises under both.
+    """
 
     sampler: str = "tba"
     """tba (recency with prob. m, else reward priority), uniform, or advantage (A-LoL, ∝ max(A,0))."""
