@@ -308,17 +308,20 @@ class Learner:
             advantages=self._advantages(batch, rewards, groups))
         # DeepSpeed averages gradients over learner ranks: normaliser = global units / ranks.
         units = self._reduce({"units": float(loss_units(self.loss_cfg, inputs))}, op="sum")["units"]
+        losses: list[torch.Tensor] = []  # checked once after the last backward: one reduce a step
         loss, lm, logp = microbatch.accumulate(
             self.loss_cfg, inputs, plan, step=self.step,
             normalizer=max(units, 1.0) / self.topo.num_learners,
             logp_fn=lambda rows: self._logprobs(self.engine, packed.select(rows)),
-            backward=self._backward, check=self._check_loss)
-        if loss is None:  # a non-finite micro-batch loss somewhere: no update on any rank
-            self.engine.optimizer.zero_grad()  # drop what earlier micro-batches accumulated
+            backward=self._backward, check=lambda x: losses.append(self._fault(x).detach()) is None)
+        if self._skip_if_nonfinite(torch.stack(losses).sum()):  # non-finite somewhere: no update on any rank
+            self.engine.optimizer.zero_grad()  # drop what the micro-batches accumulated
+            lm = {}
         else:
             self.engine.step()
         dt = time.time() - t0
-        out = {k: float(v) for k, v in lm.items()}
+        names = list(lm)  # one device-to-host copy for every loss metric, not one each
+        out = dict(zip(names, torch.stack([lm[k].double() for k in names]).tolist())) if names else {}
         out["train/nonfinite_skipped"] = float(self.nonfinite_skipped)
         out["train/micro_batches"] = float(len(plan.rows))
         out.update(self.shard.staleness(batch, self.step))
@@ -329,7 +332,7 @@ class Learner:
         self.samples["trained"] += batch.size
         out.update({f"samples/{k}": float(v) for k, v in self.samples.items()})
         out["perf/step_s"] = dt
-        out["perf/train_tokens_per_s"] = packed.num_response_tokens / max(dt, 1e-9)
+        out["perf/train_tokens_per_s"] = sum(len(r) for r in batch.response_tokens) / max(dt, 1e-9)
         out["train/lr"] = float(self.engine.get_lr()[0])
         if self.is_main:
             self.log.histogram(self.step, "buffer/staleness", staleness_lags(batch, self.step))
@@ -345,10 +348,10 @@ class Learner:
         self.engine.set_gradient_accumulation_boundary(last)
         self.engine.backward(loss)
 
-    def _check_loss(self, loss: torch.Tensor) -> bool:
+    def _fault(self, loss: torch.Tensor) -> torch.Tensor:
         if self.step + 1 in self._nan_faults:  # test hook: HPC_TBA_FAULT_NAN_STEPS="5,6"
-            loss = loss * float("nan")
-        return not self._skip_if_nonfinite(loss)
+            return loss * float("nan")
+        return loss
 
     def _skip_if_nonfinite(self, loss: torch.Tensor) -> bool:
         """Skip the update (on every learner rank together) when the loss is NaN/inf anywhere;
@@ -380,7 +383,7 @@ class Learner:
             return torch.as_tensor(batch.advantages, device=self.device)
         if not needs(self.loss_cfg).advantages:
             return None
-        means = torch.zeros(int(groups.max()) + 1, dtype=rewards.dtype, device=self.device).index_add_(
+        means = torch.zeros(int(batch.group_ids.max()) + 1, dtype=rewards.dtype, device=self.device).index_add_(
             0, groups, rewards)
         counts = torch.zeros_like(means).index_add_(0, groups, torch.ones_like(rewards))
         return rewards - (means / counts.clamp(min=1))[groups]
