@@ -134,7 +134,7 @@ def test_restart_and_compaction_replay_the_same_counts(tmp_path, capacity):
     cfg = _cfg(capacity=capacity, per_prompt_capacity=5, compact_ratio=0.3)
     a = BufferShard(cfg, directory=str(tmp_path))
     rng = np.random.default_rng(0)
-    for i in range(2500):
+    for i in range(1400):
         pid = int(rng.integers(0, 30))
         a.add(random_batch(rng, pid, int(rng.integers(1, 7)), vocab=3, max_len=2, version=i))
         if i % 40 == 0:

@@ -132,12 +132,12 @@ def main() -> int:
     a = ap.parse_args()
     if a.child:
         return child(a)
-    from hpc_tba.launcher.local import find_mpiexec, rank_env
+    from hpc_tba.launcher.local import find_mpiexec
 
     mpiexec = find_mpiexec("mpiexec")
     if mpiexec is None:
         raise SystemExit("bench_transport: mpiexec not found (the mpich wheel installs it next to python)")
-    env = rank_env(1)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")  # no torch: none is imported
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [sys.path[0], env.get("PYTHONPATH")]))
     print(f"bench_transport: 2 ranks under {os.path.basename(mpiexec)}, {a.messages} messages a trial, "
           f"median of {a.repeats} trials", flush=True)
