@@ -313,8 +313,10 @@ def memory_table(a) -> dict:
 
 
 def objective_ratios(a, size: str, first: tuple[dict, dict] | None) -> dict[str, float]:
-    """ours/plain tokens/s of every objective of `a.algo` on `size` (one plain run per set of
-    passes; `first` = the (ours, plain) already measured for `a.algo[0]`)."""
+    """ours/plain tokens/s of every objective of `a.algo` on `size`; `first` = the (ours, plain)
+    already measured for `a.algo[0]`. Each ours is paired with a plain measured right after it
+    (on a loaded machine only adjacent measurements compare); `--share-plain` measures one plain
+    per set of passes instead (fewer processes, noisier ratios)."""
     path = build_model(size)
     plains: dict[tuple[bool, bool], dict] = {}
     out = {}
@@ -324,7 +326,7 @@ def objective_ratios(a, size: str, first: tuple[dict, dict] | None) -> dict[str,
             ours, plains[sig] = first
         else:
             ours = measure("ours", path, size, a, k=a.k, algo=algo)
-            if sig not in plains:
+            if sig not in plains or not a.share_plain:
                 plains[sig] = measure("plain", path, size, a, k=a.k, algo=algo)
         out[algo] = ours["tokens_per_s"] / plains[sig]["tokens_per_s"]
         print(f"  {size:>5} {algo:>5} (reference {sig[0]}, context pass {sig[1]}): ours "
@@ -342,6 +344,8 @@ def main() -> int:
     ap.add_argument("--objectives-size", default=None, choices=list(SIZES),
                     help="model of the per-objective ratios (default: the largest of --sizes)")
     ap.add_argument("--no-memory", action="store_true", help="skip the memory figures (K=64/K=8, planned)")
+    ap.add_argument("--share-plain", action="store_true",
+                    help="one plain measurement per set of passes, shared by the objectives that have it")
     ap.add_argument("--checkpointing", action="store_true", help="learner.gradient_checkpointing")
     ap.add_argument("--steps", type=int, default=1, help="timed steps after one warm-up step (0: time the warm-up)")
     ap.add_argument("--threads", type=int, default=2)
