@@ -139,7 +139,9 @@ class TrajectoryBatch:
         return np.frombuffer(header + b"".join(a.tobytes() for a in ints + floats + tail), dtype=np.uint8)
 
     @classmethod
-    def unpack(cls, buf: np.ndarray | bytes) -> TrajectoryBatch:
+    def unpack(cls, buf: np.ndarray | bytes, *, copy: bool = True) -> TrajectoryBatch:
+        """The batch packed in `buf`. copy=False: its arrays are views into `buf` (no copy),
+        for a caller that hands the buffer over (the transports: a fresh buffer per message)."""
         raw = _bytes_view(buf)
         head = struct.calcsize(_HEAD)
         if len(raw) >= 4 and struct.unpack_from("<I", raw)[0] == _OLD_MAGIC:
@@ -159,7 +161,8 @@ class TrajectoryBatch:
         arrays, off = [], head
         for i, size in enumerate(sizes):
             dtype = "<i4" if i < 3 else "<f4"
-            arrays.append(np.frombuffer(raw, dtype=dtype, count=size, offset=off).copy())
+            a = np.frombuffer(raw, dtype=dtype, count=size, offset=off)
+            arrays.append(a.copy() if copy else a)
             off += 4 * size
         p, r, lens, rew, lb = arrays
         tv = None

@@ -1,9 +1,12 @@
 """`<run_dir>/report.png`: what a run did, on one page; several runs overlaid for comparison.
 
 Panels: held-out pass@1 over learner steps and over training wall-clock time; the reward of the
-samples the learner trained on over steps and time; the staleness of those samples (learner
-version − behaviour version, all steps); where each role's time went (`util/*`). Everything is
-read back from the files the run writes: `metrics_<role>.jsonl` (the TensorBoard scalars),
+samples the learner trained on over steps and time, beside the reward of the samples the searchers
+generated with each policy version (`reward/fresh_by_version`, drawn at step v: what the policy
+itself does; the trained samples are what the buffer's sampler and duplicate rule chose); the
+staleness of those samples (learner version − behaviour version, all steps); where each role's
+time went (`util/*`). Everything is read back from the files the run writes: `metrics_<role>.jsonl`
+(the TensorBoard scalars),
 `histograms_learner.json` (the staleness lags), `summary*.json` and `config.yaml`.
 
     hpc-tba report RUN_DIR [RUN_DIR ...] [-o OUT.png]
@@ -42,6 +45,8 @@ def load_run(run_dir: str) -> dict:
     evals = {int(r["step"]): (r["test/pass@1"], r.get("test/at_time_s")) for r in learner
              if "test/pass@1" in r}  # a resumed run re-logs a version: the latest row wins
     train = [r for r in learner if "reward/sampled_mean" in r]
+    fresh = {int(r["step"]): r["reward/fresh_by_version"] for r in learner if "reward/fresh_by_version" in r}
+    step_time = {r["step"]: r.get("time/elapsed_s") for r in train}
     util: dict[str, dict[str, float]] = {}
     summary = read_json(os.path.join(run_dir, "summary.json")) or {}
     if summary.get("time"):
@@ -61,6 +66,8 @@ def load_run(run_dir: str) -> dict:
         "eval_time": [evals[v][1] for v in sorted(evals)],
         "steps": [r["step"] for r in train], "reward": [r["reward/sampled_mean"] for r in train],
         "time": [r.get("time/elapsed_s") for r in train],
+        "fresh_steps": sorted(fresh), "fresh_reward": [fresh[v] for v in sorted(fresh)],
+        "fresh_time": [step_time.get(v, 0.0 if v == 0 else None) for v in sorted(fresh)],
         "staleness": {int(k): int(v) for k, v in hist.items()},
         "util": util,
     }
@@ -111,17 +118,25 @@ def draw_report(run_dirs: list[str], out: str) -> str:
             ax[0, 1].plot(*zip(*times), "o-", color=c, label=r["label"])
         if r["steps"]:
             ax[1, 0].plot(r["steps"], r["reward"], color=c, alpha=0.25)
-            ax[1, 0].plot(r["steps"], _smooth(r["reward"]), color=c, label=r["label"])
+            ax[1, 0].plot(r["steps"], _smooth(r["reward"]), color=c, label=f"{r['label']}: trained")
             timed = [(t, y) for t, y in zip(r["time"], _smooth(r["reward"])) if t is not None]
             if timed:
-                ax[1, 1].plot(*zip(*timed), color=c, label=r["label"])
+                ax[1, 1].plot(*zip(*timed), color=c, label=f"{r['label']}: trained")
+        if r["fresh_steps"]:
+            ax[1, 0].plot(r["fresh_steps"], r["fresh_reward"], "s--", color=c, markersize=3,
+                          label=f"{r['label']}: fresh, by generating version")
+            timed = [(t, y) for t, y in zip(r["fresh_time"], r["fresh_reward"]) if t is not None]
+            if timed:
+                ax[1, 1].plot(*zip(*timed), "s--", color=c, markersize=3,
+                              label=f"{r['label']}: fresh, by generating version")
         _staleness(ax[0, 2], r, c, offset=i, n=len(runs))
     _utilisation(ax[1, 2], runs)
     for a, title, xl, yl in ((ax[0, 0], "held-out pass@1 (greedy) by learner step", "learner step", "pass@1"),
                              (ax[0, 1], "held-out pass@1 by training time", "seconds", "pass@1"),
-                             (ax[1, 0], "reward of trained samples by step (line: mean of 10)",
-                              "learner step", "reward"),
-                             (ax[1, 1], "reward of trained samples by time (mean of 10)", "seconds", "reward")):
+                             (ax[1, 0], "reward: trained (mean of 10), fresh by version (dashed)",
+                              "learner step / policy version", "reward"),
+                             (ax[1, 1], "reward by time: trained (mean of 10), fresh (dashed)",
+                              "seconds", "reward")):
         a.set_title(title)
         a.set_xlabel(xl)
         a.set_ylabel(yl)

@@ -29,6 +29,8 @@ def _log_run(run_dir, *, steps=6, close=True, summary=True, offset=0.0):
                                "buffer/staleness_max": 3.0, **timers.metrics(),
                                **({"sync/version": float(step)} if step % 2 == 0 else {})})
         learner.histogram(step, "buffer/staleness", np.array([0, 1, 1, 2, 3]))
+        if step % 2 == 0 and step >= 4:  # a version's fresh-sample reward, two syncs later
+            learner.scalars(step - 4, {"reward/fresh_by_version": 0.3 + 0.05 * step, "samples/fresh_by_version": 20.0})
         searcher.scalars(step, {"searcher/reward_mean": 0.5, "util/generate": 0.9, "util/apply": 0.05,
                                 "util/other": 0.05, "time/elapsed_s": float(step)})
     learner.scalars(steps, {"checkpoint/time_s": 0.1})
@@ -88,6 +90,8 @@ def test_report_draws_one_run_and_overlays_two(tmp_path):
     _log_run(tmp_path / "b", offset=0.1)
     run = load_run(str(tmp_path / "a"))
     assert run["eval_steps"] == [0, 6] and run["eval_pass"] == [0.40, 0.70]
+    assert run["fresh_steps"] == [0, 2] and run["fresh_reward"] == pytest.approx([0.5, 0.6])
+    assert run["steps"] == list(range(1, 7))
     assert run["staleness"] == {0: 6, 1: 12, 2: 6, 3: 6} and set(run["util"]) == {"learner", "searcher0"}
     one = draw_report([str(tmp_path / "a")], str(tmp_path / "a" / "report.png"))
     two = draw_report([str(tmp_path / "a"), str(tmp_path / "b")], str(tmp_path / "both.png"))

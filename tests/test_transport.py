@@ -142,6 +142,16 @@ def test_mpi_transport_meets_the_contract_and_matches_in_process(tmp_path):
     assert got == run_in_process()
 
 
+def test_bench_transport_prints_its_figures():
+    """tools/bench_transport.py at a tiny size: its lines, no thresholds (a shared machine)."""
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_transport.py"), "--messages", "20",
+                          "--responses", "4", "--tokens", "16", "--prompt", "8", "--repeats", "1"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert out.stdout.count("raw/exchange") == 2 and "mpi exchange / raw mpi4py = " in out.stdout
+    float(out.stdout.strip().splitlines()[-1].rsplit("=", 1)[1])
+
+
 def test_in_process_collectives_in_another_order_are_named_and_abort_reaches_every_rank():
     from hpc_tba.comm.inprocess import InProcessNetwork, TransportAborted
 

@@ -248,7 +248,7 @@ class ShardLog:
         ratio = self.cfg.compact_ratio
         if self.replaying or ratio <= 0 or self.logged < _MIN_COMPACT:
             return
-        if self.logged - store.alive > ratio * self.logged:
+        if self.logged - store.copies > ratio * self.logged:  # copies: what the live frames hold
             self.compact(store)
 
     def compact(self, store: Store) -> None:
@@ -269,13 +269,14 @@ class ShardLog:
             os.close(fd)
         base = dict(store.counters)
         base["added"] -= store.alive  # replaying the compacted log re-adds exactly the live ones
+        base["duplicates"] -= store.copies - store.alive  # ... and merges their copies again
         old = self.manifest["segments"]
         self.manifest.update(segments=[os.path.basename(path)], base=base,
                              compactions=self.manifest["compactions"] + 1)
         self._write_manifest(self.manifest)
         for name in old:
             os.remove(os.path.join(self.dir, name))
-        self.logged = store.alive
+        self.logged = store.copies
 
     # ---------------------------------------------------------------- bookkeeping
     def offsets(self) -> dict:
@@ -351,6 +352,7 @@ def live_frames(st: Store) -> Iterator[bytes]:
 
 
 def _record(st: Store, slots: np.ndarray) -> TrajRecord:
+    slots = st.with_copies(slots)  # duplicates=count: a slot's copies, which a replay merges again
     s, i = st.s, int(slots[0])
     idx = st.gather_index(slots)
     adv = s["adv"][slots]

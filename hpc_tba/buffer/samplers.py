@@ -86,8 +86,8 @@ def sample_tba(store: Store, g: int, k: int, rng: np.random.Generator, *, m: flo
     want_recent = int((rng.random(g) < m).sum()) if m > 0 else 0
     rec = distinct_prompts(recent, min(want_recent, len(recent)), rng) if recent else []
     rest = distinct_prompts(store.order, g - len(rec), rng, exclude=set(rec))
-    rows = [_recency_rows(store.prompts[p].slots, k, rng) for p in rec]
-    rows += [_priority_rows(store, store.prompts[p].slots, k, rng, inv_temp) for p in rest]
+    rows = [_recency_rows(store.with_copies(store.prompts[p].slots), k, rng) for p in rec]
+    rows += [_priority_rows(store, store.with_copies(store.prompts[p].slots), k, rng, inv_temp) for p in rest]
     return np.concatenate(rows), len(rec)
 
 
@@ -100,7 +100,7 @@ def sample_advantage(store: Store, g: int, k: int, rng: np.random.Generator) -> 
     picks = live[np.searchsorted(cdf, rng.random(g) * total, side="right")]
     rows = []
     for pid in store.s["pid"][picks].tolist():
-        slots = store.prompts[pid].slots
+        slots = store.with_copies(store.prompts[pid].slots)
         w = _adv_weights(store, slots)
         slots = slots[w > 0]
         rows.append(slots[choose_rows(slots.size, k, rng, np.log(w[w > 0]))])
@@ -113,7 +113,7 @@ def _adv_table(store: Store) -> tuple[np.ndarray, np.ndarray]:
     cached = store.cache.get("adv")
     if cached is None or cached[0] != store.mutations:
         live = store.live_slots()
-        cached = (store.mutations, live, np.cumsum(_adv_weights(store, live)))
+        cached = (store.mutations, live, np.cumsum(_adv_weights(store, live) * store.s["count"][live]))
         store.cache["adv"] = cached
     return cached[1], cached[2]
 

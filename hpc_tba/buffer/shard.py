@@ -48,7 +48,7 @@ class BufferShard:
             raise ValueError(f"shard_id {shard_id} outside 0..{num_shards - 1}")
         self.cfg, self.shard_id, self.num_shards = cfg, shard_id, num_shards
         self.store = Store(per_prompt_capacity=cfg.per_prompt_capacity, capacity=cfg.capacity,
-                           eviction=cfg.eviction)
+                           eviction=cfg.eviction, duplicates=cfg.duplicates)
         self.rng = np.random.Generator(np.random.PCG64([seed, shard_id]))
         self.sync_version = -1
         self._recent: dict[int, None] = {}  # prompts refreshed since the latest sync, in order
@@ -156,7 +156,7 @@ class BufferShard:
 
     def ready(self) -> bool:
         """Whether the warm-start threshold is reached (the learner may take its first step)."""
-        return self.store.alive >= self.cfg.warm_start
+        return self.store.copies >= self.cfg.warm_start  # copies: responses held, counts included
 
     def sample(self, num_prompts: int, k: int, *, learner_version: int) -> SampledBatch | None:
         """G = num_prompts groups of K rows, contiguous, group ids 0..G-1; None if empty."""
@@ -220,7 +220,8 @@ class BufferShard:
     def metrics(self) -> dict[str, float]:
         st = self.store
         live = st.live_slots()
-        out = {"buffer/size": float(st.alive), "buffer/prompts": float(len(st.prompts)),
+        out = {"buffer/size": float(st.alive), "buffer/copies": float(st.copies),
+               "buffer/prompts": float(len(st.prompts)),
                "buffer/recent_prompts": float(len(self._recent)),
                "buffer/resident_bytes": float(st.resident_bytes()),
                "buffer/reward_mean": float(st.s["reward"][live].mean()) if live.size else 0.0,

@@ -13,7 +13,17 @@ squeezed out by `_compact` once they exceed a tenth of the pool, which keeps ins
 "oldest" is always "lowest live slot" and oldest-first eviction is a forward scan.
 
 Exact duplicates are found by hash and confirmed by comparing tokens, so a hash collision can never
-merge two different responses.
+merge two different responses. What happens to them is `duplicates` (BufferConfig.duplicates):
+
+- drop (TBA's buffer): one copy per distinct response, the newest; the per-prompt cap counts
+  distinct responses.
+- count: one stored copy (the newest) that carries how many times the prompt's responses
+  repeated it (`count`); the per-prompt cap counts copies (a prompt holds at most
+  `per_prompt_capacity` generated responses, oldest slots evicted first, a count clipped to
+  the cap), and samplers draw from `with_copies(slots)` (each slot repeated count times), so a batch
+  holds a frequent response as often as keeping every copy would, in the memory of one. The
+  durable log records every copy it keeps (replay recomputes the counts); compaction writes a
+  slot's copies back out.
 """
 from __future__ import annotations
 
@@ -28,8 +38,9 @@ _KEY_BLOCK = 4096
 _SLOT_FIELDS = {  # name -> dtype of the per-response arrays
     "pid": np.int64, "off": np.int64, "len": np.int32, "reward": np.float32, "adv": np.float32,
     "version": np.int64, "searcher": np.int32, "time": np.float64, "accept": np.float64,
-    "hash": np.uint64, "alive": np.bool_,
+    "hash": np.uint64, "alive": np.bool_, "count": np.int32,
 }
+DUPLICATE_RULES = ("drop", "count")
 _position_keys = np.zeros(0, dtype=np.uint64)
 
 
@@ -69,7 +80,11 @@ class Prompt:
 class Store:
     """Packed storage with per-prompt dedupe and capacity and a global cap with eviction."""
 
-    def __init__(self, *, per_prompt_capacity: int, capacity: int, eviction: str) -> None:
+    def __init__(self, *, per_prompt_capacity: int, capacity: int, eviction: str,
+                 duplicates: str = "drop") -> None:
+        if duplicates not in DUPLICATE_RULES:
+            raise ValueError(f"duplicates={duplicates!r} is not one of {', '.join(DUPLICATE_RULES)}")
+        self.duplicates = duplicates
         self.per_prompt_capacity = per_prompt_capacity
         self.capacity = capacity
         self.eviction = eviction
@@ -79,7 +94,8 @@ class Store:
         self.ver = np.zeros(0, dtype=np.int32)  # per-token versions; empty until one is mixed
         self.n_slots = 0  # slots used (live + dead)
         self.n_tok = 0  # pool entries used
-        self.alive = 0  # live responses
+        self.alive = 0  # live responses (slots)
+        self.copies = 0  # live responses with their counts (== alive under duplicates=drop)
         self.dead_tok = 0
         self.head = 0  # every slot below head is dead
         self.marks: list[int] = []  # slot boundaries of the last weight syncs (kept by compact)
@@ -109,21 +125,34 @@ class Store:
         lengths = lengths.astype(np.int32, copy=False)
         hashes = hash_responses(tokens, lengths)
         starts = np.cumsum(lengths, dtype=np.int64) - lengths
-        keep = self._last_copies(hashes, tokens, starts, lengths)
+        keep, copy_of = self._last_copies(hashes, tokens, starts, lengths)
         cap, n_distinct = self.per_prompt_capacity, keep.size
-        if keep.size > cap:
-            self.counters["rejected"] += int(keep.size - cap)
-            keep = keep[keep.size - cap:]
-        self.last_dropped = (int(lengths.size - n_distinct), int(n_distinct - keep.size))
+        counting = self.duplicates == "count"
+        counts = np.bincount(copy_of, minlength=lengths.size)[keep] if counting else np.ones(keep.size, np.int64)
+        if counting:  # the newest responses whose copies reach the cap (the last one clipped below)
+            first = max(keep.size - int(np.searchsorted(np.cumsum(counts[::-1]), cap, side="left")) - 1, 0)
+        else:
+            first = max(keep.size - cap, 0)
+        rejected = int(counts[:first].sum())
+        self.counters["rejected"] += rejected
+        keep, counts = keep[first:], counts[first:]
+        # what the log will not hold (a replay adds it to the counters): under count, the rejected
+        # responses' in-batch duplicates and copies (the kept ones' copies are all logged)
+        self.last_dropped = (rejected - first, rejected) if counting else (
+            int(lengths.size - n_distinct), int(n_distinct - keep.size))
         entry = self.prompts.get(pid)
         if entry is not None and entry.slots.size:
-            self._drop_stored_copies(entry, hashes[keep], tokens, starts[keep], lengths[keep])
+            counts = counts + self._drop_stored_copies(entry, hashes[keep], tokens, starts[keep], lengths[keep])
+        if counting:
+            counts = _fit_counts(counts, cap)
         if entry is None:
             entry = self._new_prompt(pid, prompt_tokens)
-        overflow = entry.slots.size + keep.size - cap
-        if overflow > 0:
+        held = self.s["count"][entry.slots].cumsum() if counting else np.arange(1, entry.slots.size + 1)
+        excess = int(held[-1] + counts.sum() - cap) if entry.slots.size else 0
+        if excess > 0:  # the prompt's oldest slots make room
+            overflow = int(np.searchsorted(held, excess, side="left")) + 1
+            self.counters["evicted"] += int(held[overflow - 1])
             self._kill(entry.slots[:overflow])
-            self.counters["evicted"] += int(overflow)
             entry.slots = entry.slots[overflow:]
         slot_version: int | np.ndarray = version
         if versions is not None and versions.size:  # each response's oldest token
@@ -131,50 +160,70 @@ class Store:
         new = self._append(pid, tokens, starts[keep], lengths[keep], hashes[keep], rewards[keep],
                            logp, None if adv is None else adv[keep],
                            version=slot_version, searcher=searcher, time=time, accept=accept,
-                           versions=versions)
+                           versions=versions, counts=counts)
         entry.slots = np.concatenate([entry.slots, new])
         self.counters["added"] += int(keep.size)
         self._evict_global()
         stored = int(self.s["alive"][new].sum())
         self._maybe_compact()
+        if counting:  # what the log records: every copy of the kept responses
+            return np.flatnonzero(np.isin(copy_of, keep)), stored
         return keep, stored
 
+    def with_copies(self, slots: np.ndarray) -> np.ndarray:
+        """`slots` with each repeated its count times (what samplers draw from; the same array
+        under duplicates=drop, where every count is 1)."""
+        return np.repeat(slots, self.s["count"][slots])
+
     def _last_copies(self, hashes: np.ndarray, tokens: np.ndarray, starts: np.ndarray,
-                     lengths: np.ndarray) -> np.ndarray:
-        """Indices of the responses to keep: the last copy of each distinct one, in batch order."""
+                     lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The responses to keep: the last copy of each distinct one, in batch order, and for
+        every response of the batch the index of its kept copy."""
         n = hashes.size
         _, first_rev = np.unique(hashes[::-1], return_index=True)
         if first_rev.size == n:
-            return np.arange(n)
+            return np.arange(n), np.arange(n)
         keep = np.zeros(n, dtype=bool)
         keep[n - 1 - first_rev] = True
+        copy_of = np.arange(n)
         for i in np.flatnonzero(~keep):  # confirm by content: a hash collision keeps both
-            later = [j for j in range(i + 1, n) if hashes[j] == hashes[i]]
-            if not any(_same(tokens, starts[i], lengths[i], tokens, starts[j], lengths[j])
-                       for j in later):
+            later = [j for j in range(i + 1, n) if hashes[j] == hashes[i]
+                     and _same(tokens, starts[i], lengths[i], tokens, starts[j], lengths[j])]
+            if later:
+                copy_of[i] = later[0]
+            else:
                 keep[i] = True
+        for i in range(n - 1, -1, -1):  # resolve chains to the last copy
+            copy_of[i] = copy_of[copy_of[i]]
         self.counters["duplicates"] += int(n - keep.sum())
-        return np.flatnonzero(keep)
+        return np.flatnonzero(keep), copy_of
 
     def _drop_stored_copies(self, entry: Prompt, hashes: np.ndarray, tokens: np.ndarray,
-                            starts: np.ndarray, lengths: np.ndarray) -> None:
-        """Kill stored responses of this prompt that a new response duplicates exactly."""
+                            starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """Kill stored responses of this prompt that a new response duplicates exactly; returns,
+        per new response, the count of the stored copy it replaces (0: none; see `duplicates`)."""
+        inherited = np.zeros(hashes.size, dtype=np.int64)
         old_h = self.s["hash"][entry.slots]
         hit_new, hit_old = np.nonzero(hashes[:, None] == old_h[None, :])
         if hit_new.size == 0:
-            return
-        dead = [int(entry.slots[o]) for i, o in zip(hit_new, hit_old)
-                if _same(tokens, starts[i], lengths[i], self.tok,
-                         self.s["off"][entry.slots[o]], self.s["len"][entry.slots[o]])]
+            return inherited
+        dead = []
+        for i, o in zip(hit_new.tolist(), hit_old.tolist()):
+            slot = int(entry.slots[o])
+            if _same(tokens, starts[i], lengths[i], self.tok, self.s["off"][slot], self.s["len"][slot]):
+                dead.append(slot)
+                inherited[i] += int(self.s["count"][slot])
         if dead:
             self._kill(np.asarray(dead, dtype=np.int64))
             self.counters["duplicates"] += len(dead)
             entry.slots = entry.slots[self.s["alive"][entry.slots]]
+        return inherited if self.duplicates == "count" else np.zeros_like(inherited)
 
     def _append(self, pid: int, tokens: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
                 hashes: np.ndarray, rewards: np.ndarray, logp: np.ndarray,
                 adv: np.ndarray | None, *, version: int | np.ndarray, searcher: int, time: float,
-                accept: float, versions: np.ndarray | None = None) -> np.ndarray:
+                accept: float, versions: np.ndarray | None = None,
+                counts: np.ndarray | None = None) -> np.ndarray:
         """Copy kept responses into the pools; returns their new slot indices."""
         n, total = lengths.size, int(lengths.sum())
         self._reserve(n, total, has_ver=versions is not None)
@@ -197,7 +246,9 @@ class Store:
         s["version"][a:b], s["searcher"][a:b] = version, searcher
         s["time"][a:b], s["accept"][a:b] = time, accept
         s["alive"][a:b] = True
+        s["count"][a:b] = 1 if counts is None else counts
         self.n_slots, self.n_tok, self.alive = b, t1, self.alive + n
+        self.copies += int(s["count"][a:b].sum())
         self.mutations += 1
         if self.eviction == "lowest_reward":
             self._track_low(slots)
@@ -240,6 +291,7 @@ class Store:
         self.mutations += 1
         self.s["alive"][slots] = False
         self.alive -= int(slots.size)
+        self.copies -= int(self.s["count"][slots].sum())
         self.dead_tok += int(self.s["len"][slots].sum())
 
     def _evict_global(self) -> None:
@@ -248,8 +300,8 @@ class Store:
             return
         alive = self.s["alive"]
         idx = self._oldest(excess) if self.eviction == "oldest" else self._lowest_reward(excess)
+        self.counters["evicted"] += int(self.s["count"][idx].sum())
         self._kill(idx)
-        self.counters["evicted"] += int(idx.size)
         for pid in np.unique(self.s["pid"][idx]).tolist():
             entry = self.prompts[pid]
             entry.slots = entry.slots[alive[entry.slots]]
@@ -358,6 +410,16 @@ def _packed(arr: np.ndarray, select: np.ndarray) -> np.ndarray:
     picked = arr[:select.size][select] if select.dtype == np.bool_ else arr[select]
     out = np.zeros(arr.size, dtype=arr.dtype)
     out[:picked.size] = picked
+    return out
+
+
+def _fit_counts(counts: np.ndarray, cap: int) -> np.ndarray:
+    """Counts of one add's responses (oldest first) clipped so that they sum to at most `cap`,
+    the newest first, every response keeping one copy (there are at most `cap` of them)."""
+    out, budget = counts.copy(), cap
+    for i in range(out.size - 1, -1, -1):
+        out[i] = min(int(out[i]), budget - i)
+        budget -= int(out[i])
     return out
 
 

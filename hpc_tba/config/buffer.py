@@ -6,11 +6,19 @@ import dataclasses
 SAMPLERS = ("tba", "uniform", "advantage")
 EVICTIONS = ("oldest", "lowest_reward")
 FSYNC_POLICIES = ("always", "interval", "never")
+DUPLICATE_RULES = ("drop", "count")
 
 
 @dataclasses.dataclass
 class BufferConfig:
-    """Replay buffer: one shard per learner rank; defaults are TBA's GSM8K run."""
+    """Replay buffer: one shard per learner rank; defaults are TBA's GSM8K run.
+
+    `duplicates`: drop (TBA's rule) is the default on evidence (docs/RESULTS.md, "The buffer's
+    duplicate rule"): on the embedded task over 3 seeds, drop gained +13.7 ± 1.3 points of
+    held-out pass@1 in 150 steps, count +9.8 ± 2.3. Under drop the trained samples' reward falls as
+    the policy improves (one copy of a frequent correct answer is kept); the policy's own reward is
+    `reward/fresh_by_version`, which rises under both.
+    """
 
     sampler: str = "tba"
     """tba (recency with prob. m, else reward priority), uniform, or advantage (A-LoL, ∝ max(A,0))."""
@@ -19,7 +27,10 @@ class BufferConfig:
     inv_temp: float = 0.0
     """Reward-priority sampling: softmax(inv_temp * reward) over a prompt's samples (0 = uniform)."""
     per_prompt_capacity: int = 100
-    """Most responses kept per prompt (oldest dropped first); exact duplicates are removed."""
+    """Most responses kept per prompt (oldest dropped first); a response's copies count under
+    duplicates=count."""
+    duplicates: str = "drop"
+    """Exact duplicates of a prompt's response: drop (TBA: newest kept) or count (kept once, sampled per copy)."""
     capacity: int = 0
     """Global cap on stored responses per shard; 0 = unbounded."""
     warm_start: int = 500
@@ -46,6 +57,8 @@ class BufferConfig:
             raise ValueError("buffer.capacity and buffer.warm_start must be >= 0")
         if self.eviction not in EVICTIONS:
             raise ValueError(f"buffer.eviction={self.eviction!r} is not one of {', '.join(EVICTIONS)}")
+        if self.duplicates not in DUPLICATE_RULES:
+            raise ValueError(f"buffer.duplicates={self.duplicates!r} is not one of {', '.join(DUPLICATE_RULES)}")
         if self.fsync not in FSYNC_POLICIES:
             raise ValueError(f"buffer.fsync={self.fsync!r} is not one of {', '.join(FSYNC_POLICIES)}")
         if self.fsync_interval_s < 0:

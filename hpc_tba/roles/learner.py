@@ -35,6 +35,7 @@ from hpc_tba.losses import LossInputs, loss_units, needs
 from hpc_tba.messages import Done, EvalReport, ProbeReport, SampledBatch, Stop, TrajectoryBatch
 from hpc_tba.roles import microbatch, parallel
 from hpc_tba.roles.ds_config import deepspeed_config
+from hpc_tba.roles.fresh import FreshRewards
 from hpc_tba.roles.logging import RunLogger, Timers
 from hpc_tba.roles.policy import PackedBatch, pack, pad_per_token, response_logprobs
 from hpc_tba.topology import Topology
@@ -90,6 +91,7 @@ class Learner:
         self.sync_gaps: dict[int, dict[int, float]] = {}  # searcher rank -> version -> max gap
         self.samples = {"received": 0, "trained": 0}  # cumulative responses, this rank
         self._incoming = {"rewards": [], "received": 0, "t": time.time()}  # since the last step
+        self.fresh = FreshRewards()  # reward of received samples per generating version
         self.on_policy: list[TrajectoryBatch] = []  # mode=sync: batches of the current version
         self.timers = Timers()
         self.version_time: dict[int, float] = {}  # version -> seconds into training it was sent
@@ -159,7 +161,10 @@ class Learner:
                     metrics.update(self.sync(evaluate=last or self._eval_due()))
             if self.step % self.cfg.log_every == 0 or last:
                 metrics.update(t.metrics())
-                self.log.scalars(self.step, self._reduce(metrics, sum_prefix=("loss/", "samples/")))
+                metrics.update(self.fresh.closing(self.version, self.cfg.sync_every))
+                metrics["samples/fresh_late"] = float(self.fresh.late)
+                self.log.scalars(self.step, self._log_fresh(
+                    self._reduce(metrics, sum_prefix=("loss/", "samples/", "fresh/"))))
                 self.log.progress(self.step, self._postfix(metrics))
             self.preempted, due = self._step_flags()
             if self.preempted or last or due:
@@ -237,6 +242,7 @@ class Learner:
                 self.on_policy.append(batch)
             self.received[src] = self.received.get(src, 0) + 1
             self._incoming["rewards"].append(float(batch.rewards.mean()))
+            self.fresh.add(batch)
             self.samples["received"] += batch.num_responses
             n += 1
         for src, done in self.transport.receive(Done):
@@ -296,17 +302,20 @@ class Learner:
         # units counted once per data-parallel replica (SP peers share one batch: roles.parallel).
         units = self.sp.dp_units(self._reduce({"units": float(loss_units(self.loss_cfg, inputs))},
                                               op="sum")["units"])
+        losses: list[torch.Tensor] = []  # checked once after the last backward: one reduce a step
         loss, lm, logp = microbatch.accumulate(
             self.loss_cfg, inputs, plan, step=self.step,
             normalizer=max(units, 1.0) / self.topo.num_learners,
             logp_fn=lambda rows: self._logprobs(self.engine, packed.select(rows)),
-            backward=self._backward, check=self._check_loss)
-        if loss is None:  # a non-finite micro-batch loss somewhere: no update on any rank
-            self.engine.optimizer.zero_grad()  # drop what earlier micro-batches accumulated
+            backward=self._backward, check=lambda x: losses.append(self._fault(x).detach()) is None)
+        if self._skip_if_nonfinite(torch.stack(losses).sum()):  # non-finite somewhere: no update on any rank
+            self.engine.optimizer.zero_grad()  # drop what the micro-batches accumulated
+            lm = {}
         else:
             self.engine.step()
         dt = time.time() - t0
-        out = {k: float(v) for k, v in lm.items()}
+        names = list(lm)  # one device-to-host copy for every loss metric, not one each
+        out = dict(zip(names, torch.stack([lm[k].double() for k in names]).tolist())) if names else {}
         out["train/nonfinite_skipped"] = float(self.nonfinite_skipped)
         out["train/micro_batches"] = float(len(plan.rows))
         out.update(self.shard.staleness(batch, self.step))
@@ -317,7 +326,7 @@ class Learner:
         self.samples["trained"] += batch.size
         out.update({f"samples/{k}": float(v) for k, v in self.samples.items()})
         out["perf/step_s"] = dt
-        out["perf/train_tokens_per_s"] = packed.num_response_tokens / max(dt, 1e-9)
+        out["perf/train_tokens_per_s"] = sum(len(r) for r in batch.response_tokens) / max(dt, 1e-9)
         out["train/lr"] = float(self.engine.get_lr()[0])
         if self.is_main:
             self.log.histogram(self.step, "buffer/staleness", staleness_lags(batch, self.step))
@@ -333,10 +342,10 @@ class Learner:
         self.engine.set_gradient_accumulation_boundary(last)
         self.engine.backward(loss)
 
-    def _check_loss(self, loss: torch.Tensor) -> bool:
+    def _fault(self, loss: torch.Tensor) -> torch.Tensor:
         if self.step + 1 in self._nan_faults:  # test hook: HPC_TBA_FAULT_NAN_STEPS="5,6"
-            loss = loss * float("nan")
-        return not self._skip_if_nonfinite(loss)
+            return loss * float("nan")
+        return loss
 
     def _skip_if_nonfinite(self, loss: torch.Tensor) -> bool:
         """Skip the update (on every learner rank together) when the loss is NaN/inf anywhere;
@@ -366,7 +375,10 @@ class Learner:
         """
         if batch.advantages is not None:
             return torch.as_tensor(batch.advantages, device=self.device)
-        return microbatch.group_advantages(rewards, groups) if needs(self.loss_cfg).advantages else None
+        if not needs(self.loss_cfg).advantages:
+            return None
+        # the group count from the host batch: no device-to-host sync in the step
+        return microbatch.group_advantages(rewards, groups, num_groups=int(batch.group_ids.max()) + 1)
 
     def sync(self, *, evaluate: bool) -> dict[str, float]:
         t0 = time.time()
@@ -425,6 +437,14 @@ class Learner:
         self._incoming = {"rewards": [], "received": received, "t": now}
         return out
 
+    def _log_fresh(self, reduced: dict[str, float]) -> dict[str, float]:
+        """Log each closed version's `reward/fresh_by_version` at step v (hpc_tba.roles.fresh);
+        returns the other metrics."""
+        by_version, rest = self.fresh.split(reduced)
+        for v, m in by_version.items():
+            self.log.scalars(v, m)
+        return rest
+
     def _on_eval(self, report: EvalReport) -> None:
         version, correct, total = report.policy_version, float(report.correct), float(report.total)
         acc = self.evals.setdefault(version, [0.0, 0.0, 0])
@@ -457,6 +477,7 @@ class Learner:
         while set(self.done) != searchers or any(self.received.get(r, 0) < self.done[r] for r in searchers):
             self.receive()
             time.sleep(POLL_S)
+        self._log_fresh(self._reduce(self.fresh.closing(self.version, self.cfg.sync_every, final=True), op="sum"))
         self.sender.stop()
         self.shard.flush()
         if self.cfg.export_final and not self.preempted and self.model_path is not None:

@@ -175,9 +175,12 @@ def accumulate(cfg: AlgoConfig, inputs: LossInputs, p: MicroPlan, *,
     return loss, metrics, final
 
 
-def group_advantages(rewards: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
-    """A = R − mean R of the prompt's group ([B], on the rewards' device)."""
-    means = torch.zeros(int(groups.max()) + 1, dtype=rewards.dtype, device=rewards.device).index_add_(
+def group_advantages(rewards: torch.Tensor, groups: torch.Tensor, *,
+                     num_groups: int | None = None) -> torch.Tensor:
+    """A = R − mean R of the prompt's group ([B], on the rewards' device). `num_groups` (groups
+    are 0..num_groups-1), when the caller knows it on the host, spares a device-to-host sync."""
+    n = int(groups.max()) + 1 if num_groups is None else num_groups
+    means = torch.zeros(n, dtype=rewards.dtype, device=rewards.device).index_add_(
         0, groups, rewards)
     counts = torch.zeros_like(means).index_add_(0, groups, torch.ones_like(rewards))
     return rewards - (means / counts.clamp(min=1))[groups]
