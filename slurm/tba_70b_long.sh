@@ -5,13 +5,14 @@
 # Overrides that change the layout need a regenerated script:
 #   python -m hpc_tba.launcher.slurm sbatch +experiment=tba_70b_long cluster.nodes=... > my.sh
 # Layout (hpc_tba.topology): 16 nodes x 8 GPUs; 64 learner ranks on 8 node(s), 8 searcher engine(s) x TP 8 on 8 node(s).
+# CPUs per task: 17 (learner 8; searcher 17 = 8 + 9 engine processes x 1); OMP_NUM_THREADS=8 per rank, 1 per engine process.
 #SBATCH --job-name=tba_70b_long
 #SBATCH --nodes=16
 #SBATCH --ntasks-per-node=8
-#SBATCH --cpus-per-task=8
+#SBATCH --cpus-per-task=17
 #SBATCH --gpus-per-node=8
 #SBATCH --time=2-00:00:00
-#SBATCH --signal=USR1@600
+#SBATCH --signal=USR1@1500
 #SBATCH --requeue
 #SBATCH --open-mode=append
 #SBATCH --output=%x-%j.out
@@ -43,5 +44,5 @@ for i in "${!TASKS[@]}"; do
 done > "$SLURM_HOSTFILE"
 
 echo "tba_70b_long: job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0} on $SLURM_JOB_NODELIST; tensorboard --logdir $RUN_DIR"
-srun --mpi=pmi2 --distribution=arbitrary --ntasks=72 --cpus-per-task=8 --kill-on-bad-exit=1 \
+srun --mpi=pmi2 --distribution=arbitrary --ntasks=72 --cpus-per-task=17 --kill-on-bad-exit=1 \
   "$PYTHON" -m hpc_tba.run +experiment=tba_70b_long "run_dir=$RUN_DIR" "$@"
