@@ -60,10 +60,10 @@ def _barrier(pg) -> None:
 
 
 def _send(pg, m: Manifest, version: int) -> None:
-    from hpc_tba.comm.weight_sync import broadcast_async
+    from hpc_tba.comm.weight_sync import broadcast_async, post_header
 
-    header = torch.tensor([version, 0, len(m.buckets)], dtype=torch.int64)
-    works = [broadcast_async(pg, header)]
+    post_header(pg, [version, 0, len(m.buckets)])  # on the host, before any broadcast
+    works = []
     flat = _values(version, m.numel)
     starts = m.bucket_starts
     works += [broadcast_async(pg, flat[starts[b]: starts[b + 1]].clone()) for b in range(len(m.buckets))]
@@ -87,7 +87,7 @@ def _receive(rx, m: Manifest, version: int, mode: str) -> None:
 
 
 def _worker(rank: int, ports: list[int], out_dir: str) -> None:
-    from hpc_tba.comm.weight_sync import FLAG_STOP, WeightReceiver, new_group
+    from hpc_tba.comm.weight_sync import WeightReceiver, new_group, stop_receivers
 
     torch.set_num_threads(1)
     for i, (mode, bucket) in enumerate((mo, b) for mo in MODES for b in BUCKETS):
@@ -104,7 +104,7 @@ def _worker(rank: int, ports: list[int], out_dir: str) -> None:
                 _receive(rx, m, v, mode)
             _barrier(ctl)
         if rank == 0:
-            sync.broadcast([torch.tensor([-1, FLAG_STOP, 0], dtype=torch.int64)]).wait()
+            stop_receivers(sync)
         else:
             rx.join(timeout=30)
             assert rx.error is None and rx.stopped
@@ -135,5 +135,5 @@ def test_measured_staging_peak_matches_the_formula(peaks, mode, bucket):
     if mode == "stream":  # two buckets allocated at once (never the whole version)
         assert _largest(m) < peak <= staging_bytes(m, "stream") < m.total_bytes
         print(f"\nstream, bucket {bucket} B: peak {peak} B = {peak / _largest(m):.2f} buckets")
-    else:  # exactly one version and one bucket, however many versions went through
-        assert peak == staging_bytes(m, mode) == m.total_bytes + _largest(m)
+    else:  # one version, received in place on CPU (the bound adds the bucket NCCL lands in)
+        assert peak == m.total_bytes < staging_bytes(m, mode) == m.total_bytes + _largest(m)
