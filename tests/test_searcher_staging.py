@@ -29,6 +29,7 @@ class _Engine:
 class _Receiver:
     def __init__(self, whole: StagedWeights | None):
         self.whole, self.latest, self.received_versions, self.stopped = whole, None, [1], False
+        self.staging, self.skipped_versions = "host", []
 
     @contextlib.contextmanager
     def reading(self):
@@ -82,13 +83,10 @@ def test_rebuilt_engine_without_a_whole_version_waits_for_the_next(tmp_path):
     s.close()
 
 
-def test_config_refuses_stream_staging_out_of_process_and_bad_span():
+def test_config_takes_stream_staging_out_of_process_and_refuses_a_bad_span():
     from hpc_tba.config import SearcherConfig
 
-    with pytest.raises(ValueError, match="staging=stream"):
-        SearcherConfig(staging="stream", engine_process=True)
-    with pytest.raises(ValueError, match="staging=stream"):
-        SearcherConfig(staging="stream", tensor_parallel_size=2)
+    assert SearcherConfig(staging="stream", tensor_parallel_size=2).engine_process
     with pytest.raises(ValueError, match="max_version_span"):
         SearcherConfig(max_version_span=-1)
     assert SearcherConfig(update="in_flight", engine_process=True).update == "in_flight"

@@ -54,14 +54,19 @@ def staging_bytes(manifest: Manifest, staging: str) -> int:
 
 
 def resolve_staging(staging: str, device: str, manifest: Manifest, *,
-                    free_bytes: int | None = None, headroom: float = 0.9) -> str:
-    """searcher.staging with `auto` resolved: device when one staged version (and a bucket) fits
-    in `headroom` of the engine GPU's free memory (`free_bytes`, measured once the engine holds
-    its share), else host; host on CPU."""
+                    free_bytes: int | None = None, headroom: float = 0.9,
+                    update: str = "between_rounds") -> str:
+    """searcher.staging with `auto` resolved: stream with in-flight updates (the engine takes each
+    version between two decode steps: nothing waits in memory, two buckets); with between-rounds
+    updates a version must wait for the round to end, so in a whole-version buffer: device when
+    it (and a bucket) fits in `headroom` of the engine GPU's free memory (`free_bytes`, measured
+    once the engine holds its share), else host; host on CPU."""
     if staging != "auto":
         if staging not in STAGING_MODES:
             raise ValueError(f"searcher.staging={staging!r} is not auto or one of {STAGING_MODES}")
         return staging
+    if update == "in_flight":
+        return "stream"
     if torch.device(device).type != "cuda":
         return "host"
     if free_bytes is None:
