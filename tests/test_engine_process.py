@@ -281,10 +281,27 @@ def test_out_of_process_engine_matches_transformers_and_the_in_process_engine(
         assert not outproc.in_process and outproc.cfg.engine_process
         assert outproc.engine_pids and os.getpid() not in outproc.engine_pids
         before = _score(outproc)
-        load_out = [_timed_load(outproc, new_weights, 1),  # packed into the channel's buffer
+        load_out = [_timed_load(outproc, new_weights, 1),  # tensor by tensor
                     _timed_load(outproc, _staged(new_weights), 2)]  # the receiver's layout
+        logp_staged = _score(outproc)
+        _timed_load(outproc, [(n, t * 0.5) for n, t in new_weights], 3)  # something else
+        # then streamed, 32+ buckets each its own buffer (stream staging), forwarded as they come
+        total = sum(t.numel() * t.element_size() for _, t in new_weights)
+        bucket = max(total // 48, 1)
+        outproc.channel.bucket_bytes = bucket
+        live: list[int] = []
+        stream = _streamed(new_weights, bucket, live)
+        nb = len(Manifest.build([(n, tuple(t.shape)) for n, t in new_weights], bucket_bytes=bucket).buckets)
+        load_out.append(_timed_load(outproc, stream, 4))
         logp_out = _score(outproc)
-        assert outproc.version == 2
+        assert outproc.version == 4 and nb >= 32 and live == [1]
+        largest = max(max(bucket, t.numel() * t.element_size()) for _, t in new_weights)
+        peaks = [st["peak_bytes"] for st in outproc.channel.last_worker_stats]
+        print(f"\nTP=2 stream of {nb} buckets: worker peak chunk bytes {peaks} "
+              f"(<= 2 x {largest}), ru_maxrss growth "
+              f"{[st['maxrss_growth_bytes'] for st in outproc.channel.last_worker_stats]} B")
+        assert len(peaks) == 2 and all(p <= 2 * largest for p in peaks), peaks
+        assert torch.equal(logp_staged, logp_out)
     finally:
         outproc.close()
     print(f"\nengine build: in-process {build_in:.1f} s, out of process (TP 2) {build_out:.1f} s; "
