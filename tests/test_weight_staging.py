@@ -137,3 +137,22 @@ def test_measured_staging_peak_matches_the_formula(peaks, mode, bucket):
         print(f"\nstream, bucket {bucket} B: peak {peak} B = {peak / _largest(m):.2f} buckets")
     else:  # one version, received in place on CPU (the bound adds the bucket NCCL lands in)
         assert peak == m.total_bytes < staging_bytes(m, mode) == m.total_bytes + _largest(m)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_host_staging_pins_exactly_what_the_planner_counts():
+    """Host staging is plain memory registered with CUDA (no power-of-two rounding of torch's
+    caching host allocator): a version of 1.5 x 2^k bytes takes 1.5 x 2^k, and is pinned."""
+    from hpc_tba.comm.weight_sync.receiver import WeightReceiver
+
+    m = Manifest.build([("w", (3 << 20,))], bucket_bytes=1 << 30)  # 12 MiB: rounding would give 16
+    rx = WeightReceiver.__new__(WeightReceiver)  # no thread, no group: only the allocation
+    rx.manifest, rx._cond, rx.staging_now, rx.peak_staging_bytes, rx._stream_live = (
+        m, __import__("threading").Condition(), 0, 0, 0)
+    t = rx._alloc(m.numel, "cpu", pin=True)
+    assert t.is_pinned() and rx.peak_staging_bytes == m.total_bytes == 12 << 20
+    dev = torch.ones(m.numel, device="cuda")
+    t.copy_(dev, non_blocking=True)
+    torch.cuda.synchronize()
+    assert bool((t == 1).all())

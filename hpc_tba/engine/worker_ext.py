@@ -195,7 +195,8 @@ def _chunks(named: Iterable[tuple[str, torch.Tensor]], cap: int,
 
 
 def _ends_its_storage(t: torch.Tensor) -> bool:
-    return (t.device.type == "cpu" and t.is_contiguous() and
+    """Host memory (or the dry run's meta device, plan_dryrun.py) whose buffer ends with `t`."""
+    return (t.device.type in ("cpu", "meta") and t.is_contiguous() and
             (t.storage_offset() + t.numel()) * t.element_size() == t.untyped_storage().nbytes())
 
 
@@ -203,7 +204,7 @@ def _flush(run: list[tuple[str, torch.Tensor]], packed) -> tuple[dict, torch.Ten
     tensors = [t for _, t in run]
     meta = {"dtype": wire_dtype_name(tensors[0].dtype),
             "tensors": [[n, list(t.shape)] for n, t in run]}
-    flat = _consecutive_views(tensors) if tensors[0].device.type == "cpu" else None
+    flat = _consecutive_views(tensors) if tensors[0].device.type in ("cpu", "meta") else None
     if flat is None:
         flat = packed(sum(t.numel() for t in tensors), tensors[0].dtype)
         off = 0

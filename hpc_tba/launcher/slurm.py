@@ -204,6 +204,14 @@ def hostfile_lines(topology: Topology, hosts: Sequence[str]) -> list[str]:
     return [hosts[topology.node_of(r)] for r in range(topology.world_size)]
 
 
+def _plans_host_staging(cfg: RunConfig) -> bool:
+    """Whether the plan stages weight versions in host memory (searcher.staging resolved as the
+    planner and the receiver resolve it)."""
+    from hpc_tba.planner import make_plan
+
+    return cfg.cluster.num_searchers > 0 and getattr(make_plan(cfg), "staging", None) == "host"
+
+
 def sbatch_header(cfg: RunConfig, name: str) -> list[str]:
     """#SBATCH lines for a config: nodes, tasks, GPUs, time, USR1 grace, requeue."""
     c, topo = cfg.cluster, Topology.for_run(cfg)
@@ -212,6 +220,8 @@ def sbatch_header(cfg: RunConfig, name: str) -> list[str]:
              f"--cpus-per-task={c.threads_per_rank}"]
     if c.gpus_per_node:
         lines.append(f"--gpus-per-node={c.gpus_per_node}")
+    if _plans_host_staging(cfg):
+        lines.append("--mem=0")  # host weight staging (a whole version per searcher): the node's memory
     lines += [f"--time={c.time}", f"--signal=USR1@{c.signal_grace_s}"]
     lines.append("--requeue" if c.requeue else "--no-requeue")
     lines += ["--open-mode=append", "--output=%x-%j.out"]
