@@ -137,7 +137,7 @@ def _hop(plan: Plan, cfg: RunConfig, manifest) -> None:
     import torch
 
     from hpc_tba.engine.worker_ext import BUCKET_BYTES, _chunks
-    from hpc_tba.planner import HOP_CHUNK_BYTES
+    from hpc_tba.memory import HOP_CHUNK_BYTES
 
     if not cfg.searcher.engine_process:
         return

@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING
 from hpc_tba.losses.registry import needs
 from hpc_tba.memory import (
     DTYPE_BYTES,
+    HOP_CHUNK_BYTES,
     KNOWN_MODELS,
     ModelSpec,
     Plan,
@@ -327,10 +328,6 @@ def _staging(plan: Plan, cfg: RunConfig, spec: ModelSpec, gpus: int) -> None:
         plan.problems.append(
             f"weight staging needs {host / GiB:.1f} GiB of host memory per searcher node "
             f"({per_node} searchers) of {c.cpu_memory_gb:g} GB: use searcher.staging=stream")
-
-
-HOP_CHUNK_BYTES = 64 << 20
-"""engine.worker_ext.BUCKET_BYTES (not imported: the planner imports no torch)."""
 
 
 def _engine_hop(plan: Plan, cfg: RunConfig, spec: ModelSpec, bucket: int, gpus: int) -> tuple[int, int]:

@@ -205,11 +205,12 @@ def hostfile_lines(topology: Topology, hosts: Sequence[str]) -> list[str]:
 
 
 def _plans_host_staging(cfg: RunConfig) -> bool:
-    """Whether the plan stages weight versions in host memory (searcher.staging resolved as the
-    planner and the receiver resolve it)."""
-    from hpc_tba.planner import make_plan
-
-    return cfg.cluster.num_searchers > 0 and getattr(make_plan(cfg), "staging", None) == "host"
+    """Whether the searchers may stage weight versions in host memory: staging=host, or auto with
+    between-rounds updates (auto resolves to host when a version does not fit beside vLLM on the
+    GPU, as `hpc-tba plan` prints; in-flight updates stream instead)."""
+    s = cfg.searcher
+    return cfg.cluster.num_searchers > 0 and (
+        s.staging == "host" or (s.staging == "auto" and s.update != "in_flight"))
 
 
 def sbatch_header(cfg: RunConfig, name: str) -> list[str]:

@@ -84,9 +84,12 @@ class WeightReceiver:
       `device` (NCCL cannot receive into host memory).
     - stream: no version buffer; `take()` hands out a `StreamedWeights` as soon as a version's
       header arrived and the buckets are received while the engine loads them. At most two
-      buckets are allocated at a time (one being loaded, one being received). The learner's
-      broadcast of a bucket completes only once this searcher posts its receive, so with
-      between-rounds updates a streamed version holds the learner until the round ends.
+      buckets are allocated at a time (one being loaded, one being received). A version
+      announced while the searcher is not `accepting` (a between-rounds round under way) is
+      drained into one bucket and skipped, so the learners never wait for a round.
+
+    A version arriving while a load reads the device/host buffer is skipped the same way; every
+    skipped (or replaced before taken) version is in `skipped_versions`.
 
     Memory (`staging_bytes`): device/host = one whole version + one bucket; stream = two buckets
     (the largest bucket of the manifest, in its wire dtype, which is the engine's dtype with
