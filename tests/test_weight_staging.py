@@ -43,7 +43,7 @@ def test_staging_formula_and_auto():
     m = _manifest(1024)
     assert _largest(m) == 4096  # the 64x16 embedding is larger than a bucket: a bucket of its own
     assert staging_bytes(m, "device") == staging_bytes(m, "host") == m.total_bytes + 4096
-    assert staging_bytes(m, "stream") == 2 * 4096
+    assert staging_bytes(m, "stream") == 3 * 4096
     assert resolve_staging("auto", "cpu", m) == "host"
     need = staging_bytes(m, "device")
     assert resolve_staging("auto", "cuda", m, free_bytes=2 * need) == "device"
@@ -197,7 +197,8 @@ def test_stream_through_engine_names_holds_two_buckets_of_32():
     assert torch.equal(torch.cat([t for _, t in got]), _values(1, m.numel))
     bucket = _largest(m)
     print(f"\nstream through EngineNames, 32 buckets: peak {rx.peak_staging_bytes / bucket:.2f} buckets")
-    assert rx.peak_staging_bytes <= staging_bytes(m, "stream") == 2 * bucket
+    # the loader's loop variable keeps the last view while it asks for the next: one more bucket
+    assert rx.peak_staging_bytes <= staging_bytes(m, "stream") == 3 * bucket
     stop_receivers(pgs[0])
     rx.join(timeout=30)
     assert rx.error is None

@@ -21,7 +21,7 @@ Receiver: a background thread receives bucket by bucket into bounded staging
 version is staged per searcher, in the wire dtype (the engine's dtype by default):
 
     device, host:  sync memory = one whole version + one bucket   (manifest.total_bytes + B)
-    stream:        sync memory = two buckets                      (2 B)
+    stream:        sync memory = two buckets, three at most       (3 B)
 
 where B is the manifest's largest bucket in bytes (at most `learner.sync_bucket_mb`, or one
 parameter larger than that). `staging_bytes(manifest, staging)` is that formula, which the

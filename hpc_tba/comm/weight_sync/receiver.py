@@ -43,11 +43,13 @@ STAGING_MODES = ("device", "host", "stream")
 def staging_bytes(manifest: Manifest, staging: str) -> int:
     """The searcher's sync memory (bytes the receiver allocates at most) for a manifest: device and
     host staging hold one whole version plus one bucket (the bucket an NCCL receive lands in
-    before host staging, or a skipped version is drained into); stream holds two buckets."""
+    before host staging, or a skipped version is drained into); stream holds two buckets, three
+    while the loader still references the last tensor of both when it asks for the next (a loop
+    variable does; `_consume` then allows one more rather than deadlock)."""
     itemsize = torch.empty((), dtype=manifest.dtype).element_size()
     bucket = manifest.largest_bucket_numel * itemsize
     if staging == "stream":
-        return 2 * bucket
+        return 3 * bucket  # two, and the one more allowed while a loader still holds both
     if staging in ("device", "host"):
         return manifest.total_bytes + bucket
     raise ValueError(f"weight staging {staging!r} is not one of {STAGING_MODES}")
