@@ -285,22 +285,30 @@ def test_out_of_process_engine_matches_transformers_and_the_in_process_engine(
                     _timed_load(outproc, _staged(new_weights), 2)]  # the receiver's layout
         logp_staged = _score(outproc)
         _timed_load(outproc, [(n, t * 0.5) for n, t in new_weights], 3)  # something else
-        # then streamed, 32+ buckets each its own buffer (stream staging), forwarded as they come
-        total = sum(t.numel() * t.element_size() for _, t in new_weights)
-        bucket = max(total // 48, 1)
+        # then streamed, each bucket its own buffer (stream staging), forwarded as they come
+        bucket = 1  # every tensor a bucket (and a chunk) of its own
         outproc.channel.bucket_bytes = bucket
         live: list[int] = []
         stream = _streamed(new_weights, bucket, live)
         nb = len(Manifest.build([(n, tuple(t.shape)) for n, t in new_weights], bucket_bytes=bucket).buckets)
         load_out.append(_timed_load(outproc, stream, 4))
         logp_out = _score(outproc)
-        assert outproc.version == 4 and nb >= 32 and live == [1]
-        largest = max(max(bucket, t.numel() * t.element_size()) for _, t in new_weights)
+        # one tensor per bucket: as many buckets as the model has tensors (32+ is covered with
+        # stand-in workers above and in tools/bench_weight_sync.py)
+        assert outproc.version == 4 and nb == len(new_weights) > 8 and live == [1]
+        import re
+
+        largest = max(t.numel() * t.element_size() for _, t in new_weights)
+        layers: dict[str, int] = {}
+        for n, t in new_weights:  # vLLM's layer-wise reload holds a layer's tensors until it is whole
+            key = re.sub(r"^(.*?layers\.\d+)\..*", r"\1", n)
+            layers[key] = layers.get(key, 0) + t.numel() * t.element_size()
+        bound = max(2 * largest, max(layers.values()) + largest)  # the planner's hop_worker rule
         peaks = [st["peak_bytes"] for st in outproc.channel.last_worker_stats]
-        print(f"\nTP=2 stream of {nb} buckets: worker peak chunk bytes {peaks} "
-              f"(<= 2 x {largest}), ru_maxrss growth "
+        print(f"\nTP=2 stream of {nb} buckets: worker peak chunk bytes {peaks} (bound {bound}: "
+              f"2 x {largest} or a layer + a chunk), ru_maxrss growth "
               f"{[st['maxrss_growth_bytes'] for st in outproc.channel.last_worker_stats]} B")
-        assert len(peaks) == 2 and all(p <= 2 * largest for p in peaks), peaks
+        assert len(peaks) == 2 and all(p <= bound for p in peaks), peaks
         assert torch.equal(logp_staged, logp_out)
     finally:
         outproc.close()

@@ -202,3 +202,66 @@ def test_stream_through_engine_names_holds_two_buckets_of_32():
     stop_receivers(pgs[0])
     rx.join(timeout=30)
     assert rx.error is None
+
+
+class _CountingGroup:
+    """A sync group that counts the collectives posted on it and those waited for."""
+
+    def __init__(self, pg):
+        self.pg, self.posted, self.done = pg, 0, 0
+
+    def broadcast(self, tensors, opts):
+        work, outer = self.pg.broadcast(tensors, opts), self
+        self.posted += 1
+
+        class Counted:
+            def wait(self):
+                work.wait()
+                outer.done += 1
+
+        return Counted()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_no_receive_is_pending_between_syncs(mode):
+    """The header is announced on the host (the group's store): once a version is in, the
+    receiver posts nothing on the group until the next header."""
+    import threading
+    import time
+
+    from hpc_tba.comm.weight_sync import (
+        WeightReceiver,
+        attach_store,
+        broadcast_async,
+        new_group,
+        post_header,
+        stop_receivers,
+    )
+    from hpc_tba.comm.weight_sync.group import _STORES
+
+    m = _manifest(1024)
+    port, pgs = free_ports(1)[0], {}
+    threads = [threading.Thread(target=lambda r=r: pgs.__setitem__(r, new_group(
+        host="127.0.0.1", port=port, rank=r, size=2, backend="gloo", timeout_s=60))) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    counting = _CountingGroup(pgs[1])
+    attach_store(counting, _STORES[id(pgs[1])][0])
+    rx = WeightReceiver(m, counting, staging=mode)
+    for v in (1, 2):
+        post_header(pgs[0], [v, 0, len(m.buckets)])
+        flat = _values(v, m.numel)
+        works = [broadcast_async(pgs[0], flat[a:b]) for a, b in zip(m.bucket_starts, m.bucket_starts[1:])]
+        if mode == "stream":
+            _receive(rx, m, v, mode)
+        for w in works:
+            w.wait()
+        if mode != "stream":
+            _receive(rx, m, v, mode)
+        time.sleep(0.2)  # between syncs
+        assert counting.posted == counting.done == v * len(m.buckets), (counting.posted, counting.done)
+    stop_receivers(pgs[0])
+    rx.join(timeout=30)
+    assert rx.error is None
