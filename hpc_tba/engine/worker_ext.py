@@ -30,7 +30,6 @@ import datetime
 import json
 import resource
 import threading
-import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 
@@ -109,6 +108,7 @@ class EngineWeightChannel:
             raise ValueError("engine weight hop: no tensors to load")
         pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-weight-rpc")
         loading = pool.submit(self.rpc, "hpc_tba_receive_weights")
+        loading.add_done_callback(self._watch)
         sent = 0
         try:
             for meta, flat, keep in _chunks(_rest(first, it), self.bucket_bytes, self._packed):
@@ -121,6 +121,8 @@ class EngineWeightChannel:
         except BaseException as e:
             self.broken = f"{type(e).__name__}: {e}"
             self.group.abort()  # the workers' pending receives would otherwise wait out the timeout
+            if loading.done() and loading.exception() is not None and e is not loading.exception():
+                raise loading.exception() from e  # the workers' error says what went wrong
             raise
         finally:
             pool.shutdown(wait=False)
@@ -130,16 +132,14 @@ class EngineWeightChannel:
                                f"elements, expected {sent} each")
 
     def _broadcast(self, tensor: torch.Tensor, loading: concurrent.futures.Future) -> None:
-        """Broadcast to the workers; raise at once if their load failed (they will not join)."""
-        work = broadcast_async(self.group, tensor)
-        pause = 1e-5
-        while not work.is_completed():
-            if loading.done():
-                loading.result()  # raises the workers' error
-                raise RuntimeError("engine weight hop: the workers returned before the last chunk")
-            time.sleep(pause)
-            pause = min(2 * pause, 2e-3)
-        work.wait()
+        """Broadcast to the workers and wait (if their load fails, `_watch` aborts the group and
+        this wait raises at once instead of waiting out the timeout)."""
+        broadcast_async(self.group, tensor).wait()
+
+    def _watch(self, loading: concurrent.futures.Future) -> None:
+        if loading.exception() is not None and self.group is not None:
+            self.broken = self.broken or f"workers failed: {loading.exception()}"
+            self.group.abort()
 
     def _packed(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A host buffer for one packed chunk, counted while it lives."""
