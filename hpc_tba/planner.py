@@ -334,7 +334,8 @@ def _engine_hop(plan: Plan, cfg: RunConfig, spec: ModelSpec, bucket: int, gpus: 
     """Out-of-process engines: host bytes per engine worker and in the searcher's process for the
     per-engine hop (engine.worker_ext): a chunk is at most HOP_CHUNK_BYTES of a bucket, or one
     tensor larger than that; a worker keeps two chunk buffers alive (one loaded, one received),
-    or a whole layer and one chunk while vLLM's layer-wise reload waits for a layer's last tensor;
+    three while its loader still holds the last tensor of both, or a whole layer and one chunk
+    while vLLM's layer-wise reload waits for a layer's last tensor;
     the searcher packs one chunk into host memory when its buckets live on the GPU."""
     s = cfg.searcher
     if not s.engine_process:
@@ -343,7 +344,7 @@ def _engine_hop(plan: Plan, cfg: RunConfig, spec: ModelSpec, bucket: int, gpus: 
     tensor = max(spec.embedding_params, spec.hidden_size * spec.intermediate_size) * wire
     chunk = min(bucket, max(HOP_CHUNK_BYTES, tensor))
     layer = spec.largest_layer_params * wire
-    worker = max(2 * chunk, layer + chunk)
+    worker = max(3 * chunk, layer + chunk)
     searcher = chunk if gpus else 0
     plan.terms["hop_chunk"] = chunk  # checked by the dry run against the hop's own chunking
     plan.lines.append(f"  engine hop (engine_process, TP {s.tensor_parallel_size}): chunks of <= "

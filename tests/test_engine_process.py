@@ -191,7 +191,7 @@ def _stream_40_buckets(engine) -> None:
     peaks = [s["peak_bytes"] / bucket for s in stats]
     print(f"\nworker peak chunk buffers, 40 buckets: {peaks}; ru_maxrss growth "
           f"{[s['maxrss_growth_bytes'] for s in stats]} B")
-    assert all(1 <= p <= 2 for p in peaks), peaks
+    assert all(1 <= p <= 3 for p in peaks), peaks  # 2, one more while the loader holds both
     channel.close()
 
 
@@ -303,7 +303,7 @@ def test_out_of_process_engine_matches_transformers_and_the_in_process_engine(
         for n, t in new_weights:  # vLLM's layer-wise reload holds a layer's tensors until it is whole
             key = re.sub(r"^(.*?layers\.\d+)\..*", r"\1", n)
             layers[key] = layers.get(key, 0) + t.numel() * t.element_size()
-        bound = max(2 * largest, max(layers.values()) + largest)  # the planner's hop_worker rule
+        bound = max(3 * largest, max(layers.values()) + largest)  # the planner's hop_worker rule
         peaks = [st["peak_bytes"] for st in outproc.channel.last_worker_stats]
         print(f"\nTP=2 stream of {nb} buckets: worker peak chunk bytes {peaks} (bound {bound}: "
               f"2 x {largest} or a layer + a chunk), ru_maxrss growth "

@@ -144,6 +144,7 @@ class _SlowEngine(_Engine):
 @pytest.mark.parametrize("staging", ["stream", "host"])
 def test_a_busy_or_slow_searcher_never_holds_the_learner_and_takes_the_newest(tmp_path, staging):
     import threading
+    import time
 
     from hpc_tba.comm.weight_sync import Manifest, WeightReceiver, stop_receivers
 
@@ -155,6 +156,9 @@ def test_a_busy_or_slow_searcher_never_holds_the_learner_and_takes_the_newest(tm
         with s._busy():  # a round under way: versions arriving now are skipped, not held
             alone = [_send(tx, m, 1)]
             slow = [_send(tx, m, v) for v in (2, 3)]
+            deadline = time.time() + 10  # the receiver counts a version once its last bucket is in
+            while len(rx.skipped_versions) < 3 and time.time() < deadline:
+                time.sleep(0.01)
         assert rx.skipped_versions == [1, 2, 3] and not rx.ready()
         threading.Timer(0.2, lambda: _send(tx, m, 4)).start()
         s.apply_weights()  # versions went by: waits (at most a round) for the next, takes it

@@ -43,7 +43,9 @@ EXTENSION = f"{__name__}.WeightHopExtension"
 BUCKET_BYTES = 64 << 20
 """Largest chunk on the hop (a larger tensor travels alone)."""
 WORKER_LIVE_CHUNKS = 2
-"""Chunk buffers a worker keeps alive at once (one loaded, one received)."""
+"""Chunk buffers a worker keeps alive at once (one loaded, one received); one more while the
+loader still references both (measured: 3 with a loader whose loop variable keeps the last tensor
+while it asks for the next)."""
 _END = -1
 
 
