@@ -167,6 +167,11 @@ class Staging:
     host_bytes: int
 
 
+HOP_CHUNK_BYTES = 64 << 20
+"""engine.worker_ext.BUCKET_BYTES, the largest chunk of the engine hop (not imported: the planner
+imports no torch; the dry run checks the two agree)."""
+
+
 def staging_bytes(mode: str, *, version_bytes: int, bucket_bytes: int) -> Staging:
     """Receiver memory for `mode` (device|host|stream) given one version's and one bucket's bytes
     on the wire (the largest bucket of the manifest)."""
@@ -174,8 +179,8 @@ def staging_bytes(mode: str, *, version_bytes: int, bucket_bytes: int) -> Stagin
         return Staging(mode, version_bytes + bucket_bytes, 0)
     if mode == "host":
         return Staging(mode, bucket_bytes, version_bytes)  # broadcasts land on the GPU (NCCL)
-    if mode == "stream":
-        return Staging(mode, 2 * bucket_bytes, 0)
+    if mode == "stream":  # comm.weight_sync.staging_bytes: 2 buckets, 3 while a loader holds both
+        return Staging(mode, 3 * bucket_bytes, 0)
     raise ValueError(f"searcher.staging={mode!r} is not device, host or stream")
 
 

@@ -10,6 +10,8 @@ the plan is wrong exactly where it matters. The dry run builds the real model on
 - the learner's micro-batch split (`roles.microbatch.plan`) of a worst-case step (G x K sequences
   of max_model_len tokens) and its packing (`roles.policy.pack`) of each micro-batch;
 - the receiver's staging (`staging_bytes`, `resolve_staging` with the memory vLLM leaves);
+- out-of-process engines: the hop's own chunking (`engine.worker_ext._chunks`) of a streamed
+  version, bucket by bucket on the meta device: its largest chunk against the plan's;
 - the export's layer groups (`checkpoint.layer_groups`: the most any rank gathers at the end).
 
 Each figure is printed next to the plan's and a mismatch is a problem (the plan is refused).
@@ -133,6 +135,29 @@ def _staging(plan: Plan, cfg: RunConfig, manifest) -> None:
     _check(plan, f"receiver staging ({mode})", planned, staging_bytes(manifest, mode), "GiB")
 
 
+def _hop(plan: Plan, cfg: RunConfig, manifest) -> None:
+    """The engine hop's chunks of a streamed version (each bucket its own meta buffer)."""
+    import torch
+
+    from hpc_tba.engine.worker_ext import BUCKET_BYTES, _chunks
+    from hpc_tba.memory import HOP_CHUNK_BYTES
+
+    if not cfg.searcher.engine_process:
+        return
+    _check(plan, "engine hop chunk cap", HOP_CHUNK_BYTES, BUCKET_BYTES, "GiB")
+
+    def streamed():
+        for b in range(len(manifest.buckets)):
+            yield from manifest.bucket_views(b, torch.empty(manifest.bucket_numel(b), dtype=manifest.dtype,
+                                                            device="meta"))
+
+    def packed(numel, dtype):
+        return torch.empty(numel, dtype=dtype, device="meta")
+
+    largest = max(flat.numel() * flat.element_size() for _, flat, _ in _chunks(streamed(), BUCKET_BYTES, packed))
+    _check(plan, "engine hop: largest chunk", plan.terms["hop_chunk"], largest, "GiB")
+
+
 def dry_run(plan: Plan, cfg: RunConfig, spec: ModelSpec) -> None:
     """Append the dry run's rows (and any mismatch as a problem) to `plan`."""
     from hpc_tba import checkpoint
@@ -147,6 +172,7 @@ def dry_run(plan: Plan, cfg: RunConfig, spec: ModelSpec) -> None:
     if cfg.cluster.num_searchers:
         manifest = _manifest(plan, cfg, model)
         _staging(plan, cfg, manifest)
+        _hop(plan, cfg, manifest)
     _micro_batches(plan, cfg)
     if cfg.learner.sequence_parallel_size > 1:  # the learner's own refusal, on the model's config
         from hpc_tba.roles import parallel

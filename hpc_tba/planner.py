@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING
 from hpc_tba.losses.registry import needs
 from hpc_tba.memory import (
     DTYPE_BYTES,
+    HOP_CHUNK_BYTES,
     KNOWN_MODELS,
     ModelSpec,
     Plan,
@@ -337,7 +338,9 @@ def _staging(plan: Plan, cfg: RunConfig, spec: ModelSpec, gpus: int) -> None:
     # what the receiver's resolve_staging compares with: 90% of the memory vLLM leaves free
     room = c.gpu_memory_gb * 1e9 * (1 - s.gpu_memory_utilization) * USABLE_FRACTION if gpus else 0.0
     mode = s.staging
-    if mode == "auto":
+    if mode == "auto" and s.update == "in_flight":  # resolve_staging's rule: nothing waits in memory
+        mode = "stream"
+    elif mode == "auto":
         mode = "device" if gpus and staging_bytes("device", version_bytes=version,
                                                   bucket_bytes=bucket).device_bytes <= room else "host"
     st = staging_bytes(mode, version_bytes=version, bucket_bytes=bucket)
@@ -354,7 +357,9 @@ def _staging(plan: Plan, cfg: RunConfig, spec: ModelSpec, gpus: int) -> None:
             f"what gpu_memory_utilization {s.gpu_memory_utilization} leaves): use staging=host or "
             f"stream, a smaller learner.sync_bucket_mb, or lower searcher.gpu_memory_utilization")
     per_node = max(gpus // s.tensor_parallel_size, 1) if gpus else c.num_searchers
-    host = (st.host_bytes + (0 if gpus else st.device_bytes)) * per_node
+    hop_workers, hop_searcher = _engine_hop(plan, cfg, spec, bucket, gpus)
+    host = (st.host_bytes + (0 if gpus else st.device_bytes) + hop_searcher
+            + s.tensor_parallel_size * hop_workers) * per_node
     if c.cpu_memory_gb and host > c.cpu_memory_gb * 1e9 * USABLE_FRACTION:
         plan.problems.append(
             f"weight staging needs {host / GiB:.1f} GiB of host memory per searcher node "
@@ -374,6 +379,30 @@ def check_grace(cfg: RunConfig) -> None:
     refusal = grace_refusal(cfg, spec)
     if refusal:
         raise ValueError(refusal)
+
+
+def _engine_hop(plan: Plan, cfg: RunConfig, spec: ModelSpec, bucket: int, gpus: int) -> tuple[int, int]:
+    """Out-of-process engines: host bytes per engine worker and in the searcher's process for the
+    per-engine hop (engine.worker_ext): a chunk is at most HOP_CHUNK_BYTES of a bucket, or one
+    tensor larger than that; a worker keeps two chunk buffers alive (one loaded, one received),
+    three while its loader still holds the last tensor of both, or a whole layer and one chunk
+    while vLLM's layer-wise reload waits for a layer's last tensor;
+    the searcher packs one chunk into host memory when its buckets live on the GPU."""
+    s = cfg.searcher
+    if not s.engine_process:
+        return 0, 0
+    wire = DTYPE_BYTES[_wire(cfg)]
+    tensor = max(spec.embedding_params, spec.hidden_size * spec.intermediate_size) * wire
+    chunk = min(bucket, max(HOP_CHUNK_BYTES, tensor))
+    layer = spec.largest_layer_params * wire
+    worker = max(3 * chunk, layer + chunk)
+    searcher = chunk if gpus else 0
+    plan.terms["hop_chunk"] = chunk  # checked by the dry run against the hop's own chunking
+    plan.lines.append(f"  engine hop (engine_process, TP {s.tensor_parallel_size}): chunks of <= "
+                      f"{chunk / 2**20:.0f} MiB in host memory")
+    plan.row("hop buffers per engine worker (host)", worker, key="hop_worker")
+    plan.row("hop packing in the searcher process (host)", searcher, key="hop_searcher")
+    return worker, searcher
 
 
 def make_plan(cfg: RunConfig, opt: PlanOptions = PlanOptions()) -> Plan:

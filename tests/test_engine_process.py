@@ -16,6 +16,7 @@ import time
 import pytest
 import torch
 
+from hpc_tba.comm.weight_sync import Manifest
 from hpc_tba.engine.worker_ext import EngineWeightChannel, WeightHopExtension
 
 PROMPT, RESPONSE = [1, 5, 6, 7, 8, 9], [10, 11, 12, 2]
@@ -103,17 +104,24 @@ def _assert_loaded(engine: _StandInEngine, named) -> None:
 
 
 def test_channel_delivers_to_every_worker_over_a_fresh_gloo_group():
-    engine = _StandInEngine(num_workers=2)
+    engine = _StandInEngine(num_workers=2, shapes=tuple(SHAPES + LAYERS))
     try:
+        _stream_40_buckets(engine)
         channel = EngineWeightChannel(engine.rpc, num_workers=2, device="cpu", bucket_bytes=1024)
         assert channel.group.size() == 3  # this process + 2 workers
         plain, staged = _weights(1), _staged(_weights(2))
-        channel.send(plain)  # packed into the channel's own buffer
+        channel.send(plain)  # each tensor its own buffer: sent as it is
         _assert_loaded(engine, plain)
-        channel.send(staged)  # the staging buffer is broadcast as it is
+        assert channel.peak_packed_bytes == 0
+        strided = [(n, t.t().contiguous().t() if t.dim() == 2 else t) for n, t in _weights(4)]
+        channel.send(strided)  # not contiguous: packed, one chunk (<= 1024 B or one tensor) at a time
+        _assert_loaded(engine, strided)
+        largest = max(t.numel() * t.element_size() for _, t in strided)
+        assert 0 < channel.peak_packed_bytes <= max(1024, largest)
+        channel.peak_packed_bytes = 0
+        channel.send(iter(staged))  # the staging buffer's views are broadcast as they are
         _assert_loaded(engine, staged)
-        assert channel._scratch is not None and channel._scratch.numel() == sum(
-            t.numel() for _, t in plain)
+        assert channel.peak_packed_bytes == 0
         channel.close()
         # a rebuilt engine's channel: a new store on a new port, the same workers rejoin
         again = EngineWeightChannel(engine.rpc, num_workers=2, device="cpu")
@@ -142,15 +150,60 @@ def test_a_failed_transfer_breaks_the_channel_for_good():
         engine.close()
 
 
+def _streamed(named, bucket_bytes: int, live: list):
+    """Buckets arriving one at a time, each its own buffer (what stream staging hands out);
+    `live` counts the source buckets alive at once (its peak is appended at the end)."""
+    import weakref
+
+    state = {"now": 0, "peak": 0}
+
+    def freed():
+        state["now"] -= 1
+
+    m = Manifest.build([(n, tuple(t.shape)) for n, t in named], bucket_bytes=bucket_bytes)
+    values = dict(named)
+    for b in range(len(m.buckets)):
+        flat = torch.cat([values[m.names[i]].reshape(-1) for i in m.buckets[b]])
+        state["now"] += 1
+        state["peak"] = max(state["peak"], state["now"])
+        weakref.finalize(flat, freed)
+        yield from m.bucket_views(b, flat)
+        del flat
+    live.append(state["peak"])
+
+
+LAYERS = [(f"blocks.{i}.w", (32, 32)) for i in range(40)]  # 40 chunks of 4 KiB
+
+
+def _stream_40_buckets(engine) -> None:
+    """TP=2 stand-in workers: every chunk is forwarded as it arrives, the searcher side never
+    holds more than one source bucket, each worker at most two chunk buffers (measured)."""
+    bucket = 32 * 32 * 4
+    channel = EngineWeightChannel(engine.rpc, num_workers=2, device="cpu", bucket_bytes=bucket)
+    g = torch.Generator().manual_seed(3)
+    named = [(n, torch.randn(s, generator=g)) for n, s in LAYERS]
+    live: list[int] = []
+    channel.send(_streamed(named, bucket, live))
+    _assert_loaded(engine, named)
+    assert live == [1] and channel.peak_packed_bytes == 0  # forwarded, never packed
+    stats = channel.last_worker_stats
+    assert [s["numel"] for s in stats] == [40 * 32 * 32] * 2
+    peaks = [s["peak_bytes"] / bucket for s in stats]
+    print(f"\nworker peak chunk buffers, 40 buckets: {peaks}; ru_maxrss growth "
+          f"{[s['maxrss_growth_bytes'] for s in stats]} B")
+    assert all(1 <= p <= 3 for p in peaks), peaks  # 2, one more while the loader holds both
+    channel.close()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_channel_over_cuda_ipc_into_another_process():
-    """The GPU hop: the worker maps the searcher's CUDA staging buffer and loads from it."""
+def test_channel_into_a_cuda_worker():
+    """The GPU hop is the same gloo group of host chunks: device tensors are packed a chunk at a
+    time into host memory, and the worker copies them into its CUDA parameters."""
     engine = _StandInEngine(num_workers=1, device="cuda")
     try:
         channel = EngineWeightChannel(engine.rpc, num_workers=1, device="cuda", bucket_bytes=1024)
-        assert channel.group is None
-        for seed in (1, 2):  # staged on the GPU, then plain tensors (packed on the GPU)
+        for seed in (1, 2):
             named = _weights(seed, "cuda")
             channel.send(_staged(named) if seed == 1 else named)
             _assert_loaded(engine, named)
@@ -228,10 +281,35 @@ def test_out_of_process_engine_matches_transformers_and_the_in_process_engine(
         assert not outproc.in_process and outproc.cfg.engine_process
         assert outproc.engine_pids and os.getpid() not in outproc.engine_pids
         before = _score(outproc)
-        load_out = [_timed_load(outproc, new_weights, 1),  # packed into the channel's buffer
+        load_out = [_timed_load(outproc, new_weights, 1),  # tensor by tensor
                     _timed_load(outproc, _staged(new_weights), 2)]  # the receiver's layout
+        logp_staged = _score(outproc)
+        _timed_load(outproc, [(n, t * 0.5) for n, t in new_weights], 3)  # something else
+        # then streamed, each bucket its own buffer (stream staging), forwarded as they come
+        bucket = 1  # every tensor a bucket (and a chunk) of its own
+        outproc.channel.bucket_bytes = bucket
+        live: list[int] = []
+        stream = _streamed(new_weights, bucket, live)
+        nb = len(Manifest.build([(n, tuple(t.shape)) for n, t in new_weights], bucket_bytes=bucket).buckets)
+        load_out.append(_timed_load(outproc, stream, 4))
         logp_out = _score(outproc)
-        assert outproc.version == 2
+        # one tensor per bucket: as many buckets as the model has tensors (32+ is covered with
+        # stand-in workers above and in tools/bench_weight_sync.py)
+        assert outproc.version == 4 and nb == len(new_weights) > 8 and live == [1]
+        import re
+
+        largest = max(t.numel() * t.element_size() for _, t in new_weights)
+        layers: dict[str, int] = {}
+        for n, t in new_weights:  # vLLM's layer-wise reload holds a layer's tensors until it is whole
+            key = re.sub(r"^(.*?layers\.\d+)\..*", r"\1", n)
+            layers[key] = layers.get(key, 0) + t.numel() * t.element_size()
+        bound = max(3 * largest, max(layers.values()) + largest)  # the planner's hop_worker rule
+        peaks = [st["peak_bytes"] for st in outproc.channel.last_worker_stats]
+        print(f"\nTP=2 stream of {nb} buckets: worker peak chunk bytes {peaks} (bound {bound}: "
+              f"2 x {largest} or a layer + a chunk), ru_maxrss growth "
+              f"{[st['maxrss_growth_bytes'] for st in outproc.channel.last_worker_stats]} B")
+        assert len(peaks) == 2 and all(p <= bound for p in peaks), peaks
+        assert torch.equal(logp_staged, logp_out)
     finally:
         outproc.close()
     print(f"\nengine build: in-process {build_in:.1f} s, out of process (TP 2) {build_out:.1f} s; "
@@ -314,7 +392,7 @@ def test_tensor_parallel_engine_on_gpus_loads_weights_through_the_same_channel(
     cfg = SearcherConfig(tensor_parallel_size=2, gpu_memory_utilization=0.3)
     engine = VLLMEngine(model_path, cfg, seed=0, device="cuda")
     try:
-        assert engine.cfg.engine_process and engine.channel.group is None
+        assert engine.cfg.engine_process and engine.channel.group.size() == 3
         staged = _staged([(n, t.cuda()) for n, t in new_weights])
         engine.load_weights(staged, 1)
         assert torch.allclose(_score(engine), hf_logp, atol=1e-4)
@@ -375,3 +453,29 @@ def test_run_survives_sigkill_of_an_engine_process(tmp_path):
     print(f"\nengine SIGKILLed at learner step {at_kill}; searcher {index} rebuilt and reloaded in "
           f"{restart['searcher/engine_restart_s']:.1f} s, then followed the learner to version "
           f"{max(newer)} of {summary['final_version']}")
+
+
+@pytest.mark.long  # a whole run under mpiexec with an out-of-process engine: minutes on 2 cores
+@pytest.mark.parametrize("staging", ["stream", "host"])
+def test_sync_check_holds_for_an_engine_out_of_process(tmp_path, staging):
+    """`hpc-tba train searcher.engine_process=true learner.sync_check=true`: after every version
+    it applied, the out-of-process engine's probe log-probs equal the learner's (< 1e-4). A run's
+    layout refuses tensor parallelism without GPUs (topology), so TP=2 on CPU is checked at the
+    engine: test_out_of_process_engine_matches_transformers_and_the_in_process_engine."""
+    import json
+    import subprocess
+
+    from conftest import HPC_TBA
+
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [HPC_TBA, "train", "searcher.engine_process=true", f"searcher.staging={staging}",
+         "cluster.num_searchers=1", "learner.total_steps=12", "learner.eval_every=0",
+         "learner.sync_check=true", "learner.export_final=false", f"run_dir={run_dir}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    gaps = summary["sync_logprob_gap"]["1"]
+    print(f"\nout of process, staging={staging}: {len(gaps)} versions applied, max probe gap "
+          f"{max(gaps.values()):.2e}")
+    assert len(gaps) >= 2 and max(gaps.values()) < 1e-4, gaps

@@ -151,7 +151,7 @@ def test_reference_is_counted_only_when_the_loss_needs_one():
 @pytest.mark.parametrize("overrides, mode, device_buckets, host_versions", [
     ([], "host", 1, 1),  # auto: 16 GB do not fit in the 4 GB beside vLLM's 85%
     (["searcher.gpu_memory_utilization=0.5"], "device", None, 0),  # auto: 32 GB left, the version fits
-    (["searcher.staging=stream"], "stream", 2, 0),
+    (["searcher.staging=stream"], "stream", 3, 0),  # 2 buckets, 3 while a loader holds both
     (["searcher.staging=host"], "host", 1, 1),
 ])
 def test_staging_sizes_per_mode(overrides, mode, device_buckets, host_versions):

@@ -29,6 +29,7 @@ class _Engine:
 class _Receiver:
     def __init__(self, whole: StagedWeights | None):
         self.whole, self.latest, self.received_versions, self.stopped = whole, None, [1], False
+        self.staging, self.skipped_versions = "host", []
 
     @contextlib.contextmanager
     def reading(self):
@@ -82,13 +83,103 @@ def test_rebuilt_engine_without_a_whole_version_waits_for_the_next(tmp_path):
     s.close()
 
 
-def test_config_refuses_stream_staging_out_of_process_and_bad_span():
+def test_config_takes_stream_staging_out_of_process_and_refuses_a_bad_span():
     from hpc_tba.config import SearcherConfig
 
-    with pytest.raises(ValueError, match="staging=stream"):
-        SearcherConfig(staging="stream", engine_process=True)
-    with pytest.raises(ValueError, match="staging=stream"):
-        SearcherConfig(staging="stream", tensor_parallel_size=2)
+    assert SearcherConfig(staging="stream", tensor_parallel_size=2).engine_process
     with pytest.raises(ValueError, match="max_version_span"):
         SearcherConfig(max_version_span=-1)
     assert SearcherConfig(update="in_flight", engine_process=True).update == "in_flight"
+
+
+# ---------------------------------------------------------------- a busy or slow searcher
+
+def _pair():
+    """Both ends of a 2-member gloo sync group, in this process (a learner thread sends)."""
+    import threading
+
+    from hpc_tba.comm.groups import free_ports
+    from hpc_tba.comm.weight_sync import new_group
+
+    port, out = free_ports(1)[0], {}
+    threads = [threading.Thread(target=lambda r=r: out.__setitem__(r, new_group(
+        host="127.0.0.1", port=port, rank=r, size=2, backend="gloo", timeout_s=60))) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out[0], out[1]
+
+
+def _send(pg, m, version: int) -> float:
+    """Learner side of one sync (header on the host, then every bucket); returns its seconds."""
+    import time
+
+    from hpc_tba.comm.weight_sync import broadcast_async, post_header
+
+    t0 = time.perf_counter()
+    post_header(pg, [version, 0, len(m.buckets)])
+    flat = torch.full((m.numel,), float(version))
+    works = [broadcast_async(pg, flat[a:b]) for a, b in zip(m.bucket_starts, m.bucket_starts[1:])]
+    for w in works:
+        w.wait()
+    return time.perf_counter() - t0
+
+
+class _SlowEngine(_Engine):
+    def __init__(self, delay_s: float):
+        super().__init__()
+        self.delay_s = delay_s
+
+    def load_weights(self, tensors, version):
+        import time
+
+        got = [(n, t.clone()) for n, t in tensors]
+        time.sleep(self.delay_s)  # a searcher slowed on purpose while loading
+        assert all(torch.all(t == version) for _, t in got)
+        self.loads.append((version, [n for n, _ in got]))
+        self.version = version
+
+
+@pytest.mark.parametrize("staging", ["stream", "host"])
+def test_a_busy_or_slow_searcher_never_holds_the_learner_and_takes_the_newest(tmp_path, staging):
+    import threading
+    import time
+
+    from hpc_tba.comm.weight_sync import Manifest, WeightReceiver, stop_receivers
+
+    m = Manifest.build([(f"w{i}", (256,)) for i in range(32)], bucket_bytes=1024)  # 32 buckets
+    tx, rx_pg = _pair()
+    rx = WeightReceiver(m, rx_pg, staging=staging)
+    s = _searcher(tmp_path, rx, [_SlowEngine(0.5)])
+    if staging == "stream":
+        with s._busy():  # a round under way: versions arriving now are skipped, not held
+            alone = [_send(tx, m, 1)]
+            slow = [_send(tx, m, v) for v in (2, 3)]
+            deadline = time.time() + 10  # the receiver counts a version once its last bucket is in
+            while len(rx.skipped_versions) < 3 and time.time() < deadline:
+                time.sleep(0.01)
+        assert rx.skipped_versions == [1, 2, 3] and not rx.ready()
+        threading.Timer(0.2, lambda: _send(tx, m, 4)).start()
+        s.apply_weights()  # versions went by: waits (at most a round) for the next, takes it
+    else:
+        alone = [_send(tx, m, 1)]  # nobody loads it yet: the baseline
+        assert rx.wait_for(1, 30)
+        loader = threading.Thread(target=s.apply_weights)  # loads v1 for 0.5 s
+        loader.start()
+        while not s.engine.loads and not rx._readers:
+            pass
+        slow = [_send(tx, m, v) for v in (2, 3)]  # while the 0.5 s load reads the buffer
+        loader.join()
+        assert 2 in rx.skipped_versions  # arrived during the load: drained, never waited for
+        _send(tx, m, 4)
+        assert rx.wait_for(4, 30)
+        s.apply_weights()
+    assert s.engine.version == 4 and s.engine.loads[-1][0] == 4
+    print(f"\n{staging}: learner sync alone {alone[0] * 1e3:.0f} ms, with a busy/slow searcher "
+          f"{', '.join(f'{t * 1e3:.0f}' for t in slow)} ms; skipped {rx.skipped_versions}")
+    assert max(slow) < 0.25  # a 0.5 s load (or a round) never shows in the learner's sync
+    stop_receivers(tx)
+    rx.join(timeout=30)
+    assert rx.error is None
+    s.close()

@@ -109,7 +109,7 @@ class Learner(threading.Thread):
         self.done = threading.Event()
 
     def run(self) -> None:
-        from hpc_tba.comm.weight_sync import broadcast_async
+        from hpc_tba.comm.weight_sync import broadcast_async, post_header
 
         t_start = time.perf_counter()
         while time.perf_counter() - t_start < self.seconds:
@@ -125,9 +125,9 @@ class Learner(threading.Thread):
             g = torch.Generator().manual_seed(self.version)
             flat = self.base + 1e-3 * torch.randn(self.base.shape, generator=g)
             t0 = time.perf_counter()
-            header = torch.tensor([self.version, 0, len(self.m.buckets)], dtype=torch.int64)
+            post_header(self.pg, [self.version, 0, len(self.m.buckets)])  # announced on the host
             starts = self.m.bucket_starts
-            works = [broadcast_async(self.pg, header)] + [
+            works = [
                 broadcast_async(self.pg, flat[starts[b]: starts[b + 1]]) for b in range(len(self.m.buckets))]
             for w in works:
                 w.wait()
@@ -166,7 +166,7 @@ def _cfg(mode: str, args):
 def run_mode(mode: str, args, path: str, port: int) -> dict:
     from safetensors.torch import load_file
 
-    from hpc_tba.comm.weight_sync import FLAG_STOP, Manifest, WeightReceiver, staging_bytes
+    from hpc_tba.comm.weight_sync import Manifest, WeightReceiver, staging_bytes, stop_receivers
     from hpc_tba.config import TaskConfig
     from hpc_tba.engine.vllm_engine import VLLMEngine
     from hpc_tba.roles.searcher import Searcher
@@ -204,7 +204,7 @@ def run_mode(mode: str, args, path: str, port: int) -> dict:
         gen_s, tokens = time.perf_counter() - t0, transport.tokens - first
         cpu_s = time.process_time() - c0
         groups = s.sent - sent0
-        sender_pg.broadcast([torch.tensor([-1, FLAG_STOP, 0], dtype=torch.int64)]).wait()
+        stop_receivers(sender_pg)
         receiver.join(timeout=60)
         s.close()
     lags = np.concatenate(learner.lags) if learner.lags else np.zeros(1)

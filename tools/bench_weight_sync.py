@@ -16,6 +16,14 @@ bucket size it times, on that same group:
 
 Both are bracketed by the same barrier on a separate control group; the ratio is raw_s / sync_s
 (goal >= 0.8). Medians of `--repeats` after two warm-up syncs (they allocate the staging buffers).
+Then, for out-of-process engines (`--engine-buckets`, default 48 buckets; `--engine-params`):
+learner -> one searcher process (stream staging) -> the per-engine channel -> two engine worker
+processes (tensor parallel 2, `WeightHopExtension` with a stand-in loader that copies each tensor
+into its parameter: vLLM's own loader is not part of the hop), and prints
+
+    engine-process sync peak/bucket = X   (most bucket-sized buffers alive in any one process)
+    engine-process sync / raw broadcast = Y   (raw s / engine-process sync s)
+
 It ends with the analytic time of a 70B bf16 sync over InfiniBand.
 """
 from __future__ import annotations
@@ -183,6 +191,136 @@ def _print_row(mb, nb, nbytes, sync_s, raw_s, pack_s, wait_s, exact) -> None:
           f"| {'yes' if exact else 'NO':>9} |", flush=True)
 
 
+class _HopWorker:
+    """A stand-in engine worker: the real `WeightHopExtension`, a copying `reload_weights`."""
+
+    def __init__(self, rank: int, shapes):
+        from hpc_tba.engine.worker_ext import WeightHopExtension
+
+        class Worker(WeightHopExtension):
+            pass
+
+        self.w = Worker()
+        self.w.rank = rank
+        self.params = {n: torch.zeros(s) for n, s in shapes}
+        self.w.reload_weights = self.reload_weights
+
+    def reload_weights(self, weights_iterator) -> None:
+        for name, t in weights_iterator:
+            self.params[name].copy_(t)
+
+
+def _serve_hop(rank: int, conn, shapes) -> None:
+    torch.set_num_threads(1)
+    worker = _HopWorker(rank, shapes)
+    while (msg := conn.recv()) is not None:
+        method, kwargs = msg
+        conn.send(getattr(worker.w, method)(**kwargs))
+
+
+def _engine_worker(rank: int, args, ports: list[int], shapes, bucket: int, out) -> None:
+    """Rank 0: the learner (a flat version, broadcast bucket by bucket); rank 1: the searcher,
+    forwarding each streamed bucket to its two engine workers."""
+    import multiprocessing
+
+    from hpc_tba.comm.weight_sync import (
+        Manifest,
+        WeightReceiver,
+        broadcast_async,
+        new_group,
+        post_header,
+        stop_receivers,
+    )
+    from hpc_tba.engine.worker_ext import EngineWeightChannel
+
+    torch.set_num_threads(1)
+    m = Manifest.build(shapes, bucket_bytes=bucket)
+    sync = new_group(host="127.0.0.1", port=ports[0], rank=rank, size=2, backend="gloo")
+    ctl = new_group(host="127.0.0.1", port=ports[1], rank=rank, size=2, backend="gloo")
+    if rank == 1:
+        ctx = multiprocessing.get_context("spawn")
+        pipes = [ctx.Pipe() for _ in range(2)]
+        procs = [ctx.Process(target=_serve_hop, args=(r, b, shapes), daemon=True)
+                 for r, (_, b) in enumerate(pipes)]
+        for p in procs:
+            p.start()
+
+        def rpc(method, **kwargs):
+            for a, _ in pipes:
+                a.send((method, kwargs))
+            return [a.recv() for a, _ in pipes]
+
+        rx = WeightReceiver(m, sync, staging="stream")
+        channel = EngineWeightChannel(rpc, num_workers=2, device="cpu", bucket_bytes=bucket)
+    flat = torch.randn(m.numel) if rank == 0 else None
+    times, peaks = [], []
+    for r in range(WARMUP + args.repeats):
+        _barrier(ctl)
+        t0 = time.perf_counter()
+        if rank == 0:
+            post_header(sync, [r + 1, 0, len(m.buckets)])
+            starts = m.bucket_starts
+            for w in [broadcast_async(sync, flat[starts[b]: starts[b + 1]]) for b in range(len(m.buckets))]:
+                w.wait()
+        else:
+            assert rx.wait_for(r + 1, timeout=600)
+            staged, _ = rx.take()
+            channel.send(staged.tensors())
+            peaks.append(max([rx.peak_staging_bytes + channel.peak_packed_bytes]
+                             + [s["peak_bytes"] for s in channel.last_worker_stats]))
+        _barrier(ctl)
+        if r >= WARMUP:
+            times.append(time.perf_counter() - t0)
+    raw = torch.zeros(m.numel) if rank else flat.clone()
+    broadcast_async(sync, raw).wait()
+    raws = []
+    for _ in range(args.repeats):
+        _barrier(ctl)
+        t0 = time.perf_counter()
+        broadcast_async(sync, raw).wait()
+        _barrier(ctl)
+        raws.append(time.perf_counter() - t0)
+    if rank == 0:
+        stop_receivers(sync)
+        out.put(("times", statistics.median(times), statistics.median(raws), len(m.buckets)))
+    else:
+        rx.join(timeout=60)
+        out.put(("peak", max(peaks) / (m.largest_bucket_numel * 4)))
+        for a, _ in pipes:
+            a.send(None)
+        for p in procs:
+            p.join(timeout=30)
+
+
+def engine_process_rows(args) -> None:
+    """The out-of-process lines (module docstring): TP=2 stand-in workers, stream staging."""
+    import torch.multiprocessing as mp
+    from transformers import LlamaConfig
+
+    # narrow and deep (many tensors of similar size): buckets of one size, 32+ of them
+    hidden, inter, vocab = 256, 1024, 4096
+    layers = max(1, round((args.engine_params - 2 * vocab * hidden) / (4 * hidden * hidden + 3 * hidden * inter)))
+    shapes = named_shapes(LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                                      num_attention_heads=8, num_key_value_heads=8, vocab_size=vocab,
+                                      tie_word_embeddings=False))
+    total = 4 * sum(torch.Size(s).numel() for _, s in shapes)
+    bucket = max(total // args.engine_buckets, 1 << 16)
+    ctx = mp.get_context("spawn")
+    out = ctx.SimpleQueue()
+    mp.start_processes(_engine_worker, args=(args, free_ports(2), shapes, bucket, out), nprocs=2,
+                       join=True, start_method="spawn")
+    got = {}
+    while not out.empty():
+        item = out.get()
+        got[item[0]] = item[1:]
+    sync_s, raw_s, nb = got["times"]
+    print(f"engine processes (TP=2, stream staging, fp32): {total / 1e9:.3f} GB in {nb} buckets of "
+          f"<= {bucket / 2**20:.1f} MiB; sync {sync_s:.3f} s, raw broadcast {raw_s:.3f} s "
+          f"(medians of {args.repeats}, learner -> searcher -> 2 workers)")
+    print(f"engine-process sync peak/bucket = {got['peak'][0]:.2f}")
+    print(f"engine-process sync / raw broadcast = {raw_s / sync_s:.2f}")
+
+
 def analytic_70b(link_gbit: float = 400.0, efficiency: float = 0.8, params: float = 70e9,
                  itemsize: int = 2) -> str:
     nbytes = params * itemsize
@@ -209,6 +347,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=3, help="timed syncs per bucket size (median)")
     p.add_argument("--wire-dtype", default="fp32", help="fp32 or bf16")
     p.add_argument("--backend", default="gloo", help="gloo (CPU) or nccl")
+    p.add_argument("--engine-params", type=float, default=16e6,
+                   help="model size of the out-of-process rows (0: skip them)")
+    p.add_argument("--engine-buckets", type=int, default=48, help="buckets of the out-of-process rows")
+    p.add_argument("--skip-in-process", action="store_true", help="only the out-of-process rows")
     args = p.parse_args(argv)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -230,11 +372,14 @@ def main(argv: list[str] | None = None) -> None:
           "|--------------:|-------:|----------:|")
     sys.stdout.flush()
     t0 = time.time()
-    mp.spawn(_worker, args=(args, free_ports(3), shapes, cfg),
-             nprocs=args.learners + args.receivers, join=True)
+    if not args.skip_in_process:
+        mp.spawn(_worker, args=(args, free_ports(3), shapes, cfg),
+                 nprocs=args.learners + args.receivers, join=True)
     print(f"(ratio = raw s / sync s; gather+pack = learner 0's time in ZeRO-3 gathers and packing, "
           f"wait = its time blocked on broadcasts; bit-exact = every receiver's last version equals "
           f"the learners' GatheredParameters view; {time.time() - t0:.0f} s in all)")
+    if args.engine_params:
+        engine_process_rows(args)
     print(analytic_70b())
 
 

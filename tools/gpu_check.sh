@@ -7,7 +7,9 @@
 #    pydantic, pydantic-core, annotated-types, typing-inspection, typing-extensions, hjson) into
 #    $GPU_CHECK_SITE (default /tmp/site), without the network, compiling nothing.
 # 2. Prints the GPUs, the driver, and the versions of torch and of every package the tests use.
-# 3. Runs the tests marked `gpu` in tests/test_gpu.py with hpc_tba imported from this checkout;
+# 3. Runs the tests marked `gpu` in tests/test_gpu.py, tests/test_engine_process.py (the engine hop
+#    into a CUDA worker; TP=2 out of process on 2 GPUs) and tests/test_weight_staging.py (pinned
+#    host staging of exactly the planned bytes) with hpc_tba imported from this checkout;
 #    among them the real learner role (tools/role_check.py under mpiexec: Learner.train_step,
 #    WeightSender -> WeightReceiver, checkpoint, export), which needs mpi4py and mpich from .whl/
 #    (their mpiexec lands in $GPU_CHECK_SITE/bin, put on PATH here) and skips without them.
@@ -58,9 +60,11 @@ for dist, name in [("transformers", "transformers"), ("tokenizers", "tokenizers"
         print(f"{dist} NOT IMPORTABLE: {type(e).__name__}: {e}")
 EOF
 
-    echo "== tests (pytest -m gpu tests/test_gpu.py)"
-    timeout "${GPU_CHECK_TIMEOUT_S:-420}" "$PY" -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -rA \
-        --durations=0 "$@"
+    # test_engine_process.py: the engine hop into a CUDA worker, and (2 GPUs) a TP=2 out-of-process
+    # engine synced through it; test_weight_staging.py: host staging pinned exactly (cudaHostRegister)
+    echo "== tests (pytest -m gpu tests/test_gpu.py tests/test_engine_process.py tests/test_weight_staging.py)"
+    timeout "${GPU_CHECK_TIMEOUT_S:-600}" "$PY" -m pytest -q -m gpu tests/test_gpu.py tests/test_engine_process.py \
+        tests/test_weight_staging.py -p no:cacheprovider -rA --durations=0 "$@"
     local rc=$?
     echo "gpu_check: pytest exited with $rc"
     return $rc

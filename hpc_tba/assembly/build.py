@@ -105,7 +105,8 @@ def build_searcher(cfg: RunConfig, transport, topo: Topology, groups, model_path
     setup = transport.bcast_json(None)
     manifest = Manifest.from_json(setup["manifest"])  # staging resolved once the engine holds its memory
     receiver = WeightReceiver(manifest, groups.sync_group, device=device,
-                              staging=resolve_staging(cfg.searcher.staging, device, manifest))
+                              staging=resolve_staging(cfg.searcher.staging, device, manifest,
+                                                       update=cfg.searcher.update))
     quota = None
     if cfg.learner.mode == "sync":  # one on-policy batch per version: G prompts for every shard
         quota = topo.on_policy_quota(index, cfg.learner.prompts_per_step)

@@ -31,8 +31,10 @@ class SearcherConfig:
     are still in flight (not yet taken by the buffer's rank: back-pressure); 0: no bound."""
     staging: str = "auto"
     """Where a received weight version waits for the engine: device (one version in the engine's
-    dtype on its GPU), host (pinned host memory), stream (bucket by bucket straight into the
-    engine), or auto (device when the plan says it fits, else host; host on CPU)."""
+    dtype on its GPU), host (pinned host memory), stream (two buckets: bucket by bucket straight
+    into the engine, in or out of process; a version arriving mid-round with between_rounds
+    updates is skipped and counted), or auto (stream with in_flight updates; else device when it
+    fits, else host)."""
     max_version_span: int = 0
     """in_flight: most weight versions one response may carry; a response whose tokens come from
     more versions is dropped (counted in searcher/dropped_version_span). 0: no cap (keep all:
@@ -86,7 +88,3 @@ class SearcherConfig:
             raise ValueError(f"searcher.max_version_span={self.max_version_span} must be >= 0 (0: no cap)")
         if self.tensor_parallel_size > 1:
             self.engine_process = True  # tensor-parallel workers always live in other processes
-        if self.staging == "stream" and self.engine_process:
-            raise ValueError("searcher.staging=stream loads buckets straight into an in-process "
-                             "engine; with engine_process=true (or tensor_parallel_size > 1) use "
-                             "staging=device, host or auto")

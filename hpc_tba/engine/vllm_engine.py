@@ -12,9 +12,10 @@ always implies the second):
   (VLLM_ENABLE_V1_MULTIPROCESSING=0) and a weight update is a direct call of the worker's
   `reload_weights` (vLLM's layer-wise reload; plain `load_weights` fails on the CPU build).
 - Out of process: vLLM V1 multiprocessing, the EngineCore and its workers in child processes.
-  The searcher's process still receives the learner's broadcast and hands each version on to the
-  workers through a per-engine channel (`worker_ext.py`: a gloo group on CPU, CUDA IPC on GPU)
-  while they load it in place inside one `collective_rpc`. If an engine process dies, the call
+  The searcher's process still receives the learner's broadcast and forwards each bucket, as it
+  arrives, to the workers through a per-engine channel (`worker_ext.py`: a gloo group of host
+  chunks, CPU and GPU alike) while they load it in place, bucket by bucket, inside one
+  `collective_rpc`. If an engine process dies, the call
   waiting on it raises (`_EngineWatchdog`) and the searcher rebuilds the engine, channel and all.
   Children are started with `spawn`, not `fork`: a fork would copy the searcher's MPI state and
   its running threads (weight receiver, gloo) into the child, and forking a threaded process can
@@ -63,7 +64,7 @@ import glob
 import itertools
 import os
 import signal
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -362,8 +363,9 @@ class VLLMEngine:
         lps = out.prompt_logprobs[len(prompt):]
         return np.array([lp[t].logprob for lp, t in zip(lps, response)], dtype=np.float32)
 
-    def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]], version: int) -> None:
-        """Replace the weights in place (Hugging Face names) and adopt `version`."""
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Replace the weights in place (Hugging Face names; a list, or a stream consumed once,
+        bucket by bucket: nothing here holds more than the loader asks for) and adopt `version`."""
         if version < self.version:
             raise ValueError(f"weight version went backwards: {self.version} -> {version}")
         named_tensors = self.engine_names(named_tensors)

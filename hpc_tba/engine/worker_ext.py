@@ -2,40 +2,51 @@
 
 An out-of-process engine (vLLM V1 multiprocessing: the EngineCore and its workers are child
 processes; tensor parallelism always works this way) cannot take tensors by a direct call. The
-searcher's process keeps receiving the learner's broadcast as before (`comm/weight_sync/`) and
-then hands the staged buffers on to the engine's workers, one hop on the same node:
+searcher's process receives the learner's broadcast as before (`comm/weight_sync/`) and forwards
+each bucket, as it arrives, to the engine's workers over a small **per-engine** gloo group
+(rank 0 = the searcher's process, ranks 1..TP = the workers), built with the engine on a fresh
+TCPStore port, so a rebuilt engine gets a fresh group and the learners' sync group is never
+touched. The same group and the same host buffers on CPU and GPU: a CUDA worker's loader copies
+each host bucket into its shard (docs/SEARCHERS.md says why this hop, not workers joining the
+learners' broadcast).
 
-- CPU staging: a small **per-engine** gloo group, rank 0 = the searcher's process, ranks 1..TP =
-  the engine's workers. It is built with the engine on a fresh TCPStore port, so a rebuilt engine
-  gets a fresh group and the learners' weight-sync group is never touched.
-- CUDA staging: CUDA IPC. NCCL (>= 2.5) refuses two ranks on one GPU, and the searcher's process
-  stages on cuda:0, which is also worker 0's GPU, so an NCCL group of the two cannot be built.
-  Instead every worker maps the staged buffer (an IPC handle, no copy on the sending side) and
-  loads from it; workers on other GPUs read it peer to peer.
-
-Either way the weights travel as flat buckets described by a `Manifest` sent with the RPC, and the
-workers load them in place inside one `collective_rpc` call through `reload_weights` (vLLM's
-layer-wise reload, the same call the in-process engine makes), streaming bucket by bucket.
+Bounded on both ends, nothing sized by the model: the searcher sends a chunk (at most
+`bucket_bytes`, or one tensor larger than that) as soon as its tensors are there, broadcasting
+the receiver's own bucket views without a copy when they are host memory (else packing one chunk
+into a host buffer); each worker keeps at most two chunk buffers alive (one being loaded by vLLM's
+layer-wise reload, one being received), one more only where a layer straddling chunks would
+otherwise deadlock. Each chunk on the group: a header [numel, meta bytes] (numel -1: the end),
+its names/shapes/dtype as JSON bytes, then its flat data. The workers load inside one
+`collective_rpc` through `reload_weights(weights_iterator=...)`, the call the in-process engine
+makes.
 
 `WeightHopExtension` is mixed into vLLM's worker class (`worker_extension_cls`); it runs in the
 engine's processes, so this module imports only torch and `comm/weight_sync/` (no MPI).
 """
 from __future__ import annotations
 
+import concurrent.futures
 import datetime
-import pickle
+import json
+import resource
 import threading
-from collections.abc import Callable, Iterator
+import weakref
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
-from hpc_tba.comm.weight_sync import Manifest, broadcast_async
+from hpc_tba.comm.weight_sync import WIRE_DTYPES, broadcast_async, wire_dtype_name
 
 EXTENSION = f"{__name__}.WeightHopExtension"
 """The `worker_extension_cls` an out-of-process engine is built with."""
 
 BUCKET_BYTES = 64 << 20
-"""Largest bucket on the hop (the workers hold one bucket and the next in flight)."""
+"""Largest chunk on the hop (a larger tensor travels alone)."""
+WORKER_LIVE_CHUNKS = 2
+"""Chunk buffers a worker keeps alive at once (one loaded, one received); one more while the
+loader still references both (measured: 3 with a loader whose loop variable keeps the last tensor
+while it asks for the next)."""
+_END = -1
 
 
 class EngineWeightChannel:
@@ -44,20 +55,22 @@ class EngineWeightChannel:
     `rpc(method, **kwargs)` calls a method of every worker and returns their results (vLLM's
     `LLM.collective_rpc`). `num_workers` is the engine's tensor-parallel size. A channel that
     failed mid-transfer is broken for good: the engine must be rebuilt (with a fresh channel).
+    `device` is where the engine runs; the hop is the same gloo group of host buffers on both.
     """
 
     def __init__(self, rpc: Callable[..., list], *, num_workers: int, device: str,
                  bucket_bytes: int = BUCKET_BYTES, timeout_s: float = 600.0):
+        if torch.device(device).type not in ("cpu", "cuda"):
+            raise ValueError(f"engine weight hop: no transport for device {device!r}")
         self.rpc, self.num_workers = rpc, num_workers
-        self.device = torch.device(device)
         self.bucket_bytes, self.timeout_s = bucket_bytes, timeout_s
         self.group, self._store = None, None
         self.broken: str | None = None
-        self._scratch: torch.Tensor | None = None
-        if self.device.type == "cpu":
-            self._join_group()
-        elif self.device.type != "cuda":
-            raise ValueError(f"engine weight hop: no transport for device {device!r}")
+        self.packed_bytes_now = self.peak_packed_bytes = 0
+        """Host bytes this process allocated to pack chunks (0 when it forwards bucket views)."""
+        self.last_worker_stats: list[dict] = []
+        """Per worker, of the last send: elements loaded, peak chunk bytes alive, ru_maxrss growth."""
+        self._join_group()
 
     def _join_group(self) -> None:
         """Rendezvous: this process hosts the store on a fresh port while the workers join."""
@@ -86,76 +99,127 @@ class EngineWeightChannel:
                                f"1..{self.num_workers}")
         self.group = made["pg"]
 
-    def send(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
-        """Every worker loads `named_tensors` (Hugging Face names) in place; returns when done."""
+    def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Every worker loads `named_tensors` (Hugging Face names; a list or a stream consumed
+        once, chunk by chunk, as it arrives) in place; returns when every worker is done."""
         if self.broken:
             raise RuntimeError(f"engine weight hop is broken ({self.broken}); rebuild the engine")
-        if not named_tensors:
+        it = iter(named_tensors)
+        first = [next(it, None)]
+        if first[0] is None:
             raise ValueError("engine weight hop: no tensors to load")
-        dtype = named_tensors[0][1].dtype
-        manifest = Manifest.build([(n, tuple(t.shape)) for n, t in named_tensors],
-                                  bucket_bytes=self.bucket_bytes, wire_dtype=dtype)
-        flat = self._flat(named_tensors, manifest)
+        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-weight-rpc")
+        loading = pool.submit(self.rpc, "hpc_tba_receive_weights")
+        loading.add_done_callback(self._watch)
+        sent = 0
         try:
-            if self.group is not None:
-                self._send_group(flat, manifest)
-            else:
-                self._send_ipc(flat, manifest)
+            for meta, flat, keep in _chunks(_rest(first, it), self.bucket_bytes, self._packed):
+                sent += flat.numel()
+                for part in _chunk_message(meta, flat):
+                    self._broadcast(part, loading)
+                del flat, keep, part  # the source bucket may be freed (and the next one received)
+            self._broadcast(torch.tensor([_END, 0], dtype=torch.int64), loading)
+            stats = loading.result()
         except BaseException as e:
             self.broken = f"{type(e).__name__}: {e}"
-            if self.group is not None:  # pending sends would otherwise wait out the timeout
-                self.group.abort()
+            self.group.abort()  # the workers' pending receives would otherwise wait out the timeout
+            if loading.done() and loading.exception() is not None and e is not loading.exception():
+                raise loading.exception() from e  # the workers' error says what went wrong
             raise
+        finally:
+            pool.shutdown(wait=False)
+        self.last_worker_stats = stats
+        if [s["numel"] for s in stats] != [sent] * self.num_workers:
+            raise RuntimeError(f"engine weight hop: workers loaded {[s['numel'] for s in stats]} "
+                               f"elements, expected {sent} each")
 
-    def _send_group(self, flat: torch.Tensor, manifest: Manifest) -> None:
-        starts = manifest.bucket_starts
-        works = [broadcast_async(self.group, flat[starts[b]: starts[b + 1]])
-                 for b in range(len(manifest.buckets))]
-        counts = self.rpc("hpc_tba_receive_weights", manifest=manifest.to_json())
-        for w in works:
-            w.wait()
-        self._check(counts, manifest)
+    def _broadcast(self, tensor: torch.Tensor, loading: concurrent.futures.Future) -> None:
+        """Broadcast to the workers and wait (if their load fails, `_watch` aborts the group and
+        this wait raises at once instead of waiting out the timeout)."""
+        broadcast_async(self.group, tensor).wait()
 
-    def _send_ipc(self, flat: torch.Tensor, manifest: Manifest) -> None:
-        from torch.multiprocessing.reductions import reduce_tensor
+    def _watch(self, loading: concurrent.futures.Future) -> None:
+        if loading.exception() is not None and self.group is not None:
+            self.broken = self.broken or f"workers failed: {loading.exception()}"
+            self.group.abort()
 
-        _, args = reduce_tensor(flat)  # the handle keeps `flat` alive until the workers let go
-        uuid = str(torch.cuda.get_device_properties(flat.device).uuid)
-        counts = self.rpc("hpc_tba_receive_weights", manifest=manifest.to_json(),
-                          ipc=pickle.dumps((uuid, args)))
-        self._check(counts, manifest)
+    def _packed(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A host buffer for one packed chunk, counted while it lives."""
+        t = torch.empty(numel, dtype=dtype)
+        nbytes = numel * t.element_size()
+        self.packed_bytes_now += nbytes
+        self.peak_packed_bytes = max(self.peak_packed_bytes, self.packed_bytes_now)
+        weakref.finalize(t, self._unpacked, nbytes)
+        return t
 
-    def _check(self, counts: list[int], manifest: Manifest) -> None:
-        if counts != [manifest.numel] * self.num_workers:
-            raise RuntimeError(f"engine weight hop: workers loaded {counts} elements, expected "
-                               f"{manifest.numel} each")
-
-    def _flat(self, named_tensors: list[tuple[str, torch.Tensor]], manifest: Manifest) -> torch.Tensor:
-        """One flat buffer holding every tensor in order: the staging buffer itself when the
-        tensors are consecutive views of it (what `WeightReceiver` hands out), else a packed copy."""
-        tensors = [t for _, t in named_tensors]
-        flat = _consecutive_views(tensors)
-        if flat is not None and flat.device.type == self.device.type:
-            return flat
-        if self._scratch is None or self._scratch.numel() < manifest.numel or \
-                self._scratch.dtype != manifest.dtype:
-            self._scratch = torch.empty(manifest.numel, dtype=manifest.dtype, device=self._device())
-        off = 0
-        for t in tensors:
-            self._scratch[off: off + t.numel()].view(t.shape).copy_(t)
-            off += t.numel()
-        return self._scratch[: manifest.numel]
-
-    def _device(self) -> torch.device:
-        if self.device.type == "cuda" and self.device.index is None:
-            return torch.device("cuda", torch.cuda.current_device())
-        return self.device
+    def _unpacked(self, nbytes: int) -> None:
+        self.packed_bytes_now -= nbytes
 
     def close(self) -> None:
         """Drop the group (its peers may already be dead: nothing is waited for)."""
         group, self.group, self._store = self.group, None, None
         if group is not None and self.broken:
             group.abort()
+
+
+def _rest(first: list, it: Iterator) -> Iterator:
+    """first[0], then `it`, keeping no reference to first[0] once it is handed on."""
+    yield first.pop()
+    yield from it
+
+
+def _chunks(named: Iterable[tuple[str, torch.Tensor]], cap: int,
+            packed: Callable[[int, torch.dtype], torch.Tensor]
+            ) -> Iterator[tuple[dict, torch.Tensor, list[torch.Tensor]]]:
+    """(meta, flat host tensor, its source tensors: keep them until sent) per chunk of at most
+    `cap` bytes (or one larger tensor), each yielded as soon as its tensors arrived: adjacent
+    host views of one buffer (a staged or streamed bucket) travel as they are, anything else is
+    packed into one chunk buffer."""
+    run: list[tuple[str, torch.Tensor]] = []
+    nbytes = 0
+    for name, t in named:
+        size = t.numel() * t.element_size()
+        if run and (t.dtype != run[0][1].dtype or nbytes + size > cap):
+            yield _flush(run, packed)
+            nbytes = 0
+        run.append((name, t))
+        nbytes += size
+        # a chunk that fills the cap or ends its source buffer (a bucket of stream staging) goes
+        # now: the next bucket is received while this one is forwarded
+        if nbytes >= cap or _ends_its_storage(t):
+            del t
+            yield _flush(run, packed)
+            nbytes = 0
+            continue
+        del t
+    if run:
+        yield _flush(run, packed)
+
+
+def _ends_its_storage(t: torch.Tensor) -> bool:
+    """Host memory (or the dry run's meta device, plan_dryrun.py) whose buffer ends with `t`."""
+    return (t.device.type in ("cpu", "meta") and t.is_contiguous() and
+            (t.storage_offset() + t.numel()) * t.element_size() == t.untyped_storage().nbytes())
+
+
+def _flush(run: list[tuple[str, torch.Tensor]], packed) -> tuple[dict, torch.Tensor, list]:
+    tensors = [t for _, t in run]
+    meta = {"dtype": wire_dtype_name(tensors[0].dtype),
+            "tensors": [[n, list(t.shape)] for n, t in run]}
+    flat = _consecutive_views(tensors) if tensors[0].device.type in ("cpu", "meta") else None
+    if flat is None:
+        flat = packed(sum(t.numel() for t in tensors), tensors[0].dtype)
+        off = 0
+        for t in tensors:
+            flat[off: off + t.numel()].view(t.shape).copy_(t)
+            off += t.numel()
+    run.clear()  # a flat view shares the storage, not the tensor whose death frees the bucket
+    return meta, flat, tensors
+
+
+def _chunk_message(meta: dict, flat: torch.Tensor) -> list[torch.Tensor]:
+    raw = torch.frombuffer(bytearray(json.dumps(meta).encode()), dtype=torch.uint8)
+    return [torch.tensor([flat.numel(), raw.numel()], dtype=torch.int64), raw, flat]
 
 
 def _consecutive_views(tensors: list[torch.Tensor]) -> torch.Tensor | None:
@@ -193,62 +257,137 @@ class WeightHopExtension:
 
         return os.environ.get("VLLM_DIST_IDENT")
 
-    def hpc_tba_receive_weights(self, manifest: dict, ipc: bytes | None = None) -> int:
-        """Receive every bucket and load it in place; returns the number of elements loaded."""
-        m = Manifest.from_json(manifest)
+    def hpc_tba_receive_weights(self) -> dict:
+        """Receive chunk by chunk and load each in place; returns what was loaded and held:
+        {"numel", "peak_bytes" (chunk buffers alive at once), "maxrss_growth_bytes"}."""
+        rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        chunks = _ChunkReceiver(self._hpc_tba_group[0])
         loaded = [0]
-        buckets = _ipc_buckets(m, ipc) if ipc is not None else _group_buckets(
-            m, self._hpc_tba_group[0])
 
         def tensors() -> Iterator[tuple[str, torch.Tensor]]:
-            for b, flat in buckets:
-                yield from m.bucket_views(b, flat)
-                loaded[0] += m.bucket_numel(b)
+            for meta, flat in chunks:
+                off = 0
+                for name, shape in meta["tensors"]:
+                    n = _numel(shape)
+                    yield name, flat[off: off + n].view(shape)
+                    off += n
+                loaded[0] += flat.numel()
+                del flat
 
-        self.reload_weights(weights_iterator=tensors())
+        try:
+            self.reload_weights(weights_iterator=tensors())
+            for _ in tensors():  # to the end marker, should the loader have stopped early
+                pass
+        except BaseException:
+            chunks.abandon()  # its receive ends when the searcher aborts the group
+            raise
+        chunks.close()
         from hpc_tba.models.naming import refresh_tied_heads
 
         runner = getattr(self, "model_runner", None)  # a vLLM worker has one (test doubles may not)
         if runner is not None:
             refresh_tied_heads(runner.get_model())  # a tied head's CPU copy is stale otherwise
-        if ipc is not None:
-            torch.cuda.synchronize()  # every read of the sender's buffer has finished
-        return loaded[0]
+        if chunks.error is not None:
+            raise RuntimeError(f"engine weight hop: receiving failed: {chunks.error}") from chunks.error
+        growth = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0
+        return {"numel": loaded[0], "peak_bytes": chunks.peak_bytes,
+                "maxrss_growth_bytes": 1024 * growth}
 
 
-def _group_buckets(m: Manifest, group) -> Iterator[tuple[int, torch.Tensor]]:
-    """Buckets off the per-engine group, the next one in flight while one is loaded.
+class _ChunkReceiver:
+    """The worker's receiving thread: chunks off the per-engine group, at most
+    `WORKER_LIVE_CHUNKS` buffers alive (freed when vLLM's loader lets go of their views); one
+    more when the loader asks for the next chunk while still holding them all (a layer whose
+    tensors straddle chunks: waiting would deadlock)."""
 
-    Each bucket gets a fresh buffer: vLLM's layer-wise reload keeps the tensors of a layer until
-    the layer is complete, which may be after the next bucket arrived.
-    """
-    def post(b: int):
-        buf = torch.empty(m.bucket_numel(b), dtype=m.dtype)
-        return buf, broadcast_async(group, buf)
+    def __init__(self, group):
+        self.group = group
+        self._cond = threading.Condition()
+        self._ready: list = []
+        self._live = 0
+        self._blocked = self._overdraft = self.done = self._abandoned = False
+        self.live_bytes = self.peak_bytes = 0
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="engine-weight-receive", daemon=True)
+        self._thread.start()
 
-    pending = post(0) if m.buckets else None
-    for b in range(len(m.buckets)):
-        buf, work = pending
-        pending = post(b + 1) if b + 1 < len(m.buckets) else None
-        work.wait()
-        yield b, buf
+    def _recv(self, t: torch.Tensor) -> torch.Tensor:
+        broadcast_async(self.group, t).wait()
+        return t
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    self._blocked = True
+                    self._cond.notify_all()
+                    self._cond.wait_for(lambda: self._live < WORKER_LIVE_CHUNKS or self._overdraft
+                                        or self._abandoned)
+                    self._blocked = self._overdraft = False
+                    if self._abandoned:
+                        return
+                numel, meta_len = (int(x) for x in self._recv(torch.zeros(2, dtype=torch.int64)))
+                if numel == _END:
+                    break
+                meta = json.loads(self._recv(torch.zeros(meta_len, dtype=torch.uint8)).numpy().tobytes())
+                buf = self._alloc(numel, WIRE_DTYPES[meta["dtype"]])
+                self._recv(buf)
+                with self._cond:
+                    self._ready.append((meta, buf))
+                    self._cond.notify_all()
+                del buf
+        except BaseException as e:  # surfaced to the loader
+            self.error = e
+        finally:
+            with self._cond:
+                self.done = True
+                self._cond.notify_all()
+
+    def _alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        t = torch.empty(numel, dtype=dtype)
+        nbytes = numel * t.element_size()
+        with self._cond:
+            self._live += 1
+            self.live_bytes += nbytes
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        weakref.finalize(t, self._freed, nbytes)
+        return t
+
+    def _freed(self, nbytes: int) -> None:
+        with self._cond:
+            self._live -= 1
+            self.live_bytes -= nbytes
+            self._cond.notify_all()
+
+    def __iter__(self) -> Iterator[tuple[dict, torch.Tensor]]:
+        while True:
+            with self._cond:
+                while not self._ready and not self.done:
+                    if self._blocked:  # waiting for a slot while the loader holds every buffer
+                        self._overdraft = True
+                        self._cond.notify_all()
+                    self._cond.wait(0.05)
+                if not self._ready:
+                    if self.error is not None:
+                        raise RuntimeError(f"engine weight hop: receiving failed: {self.error}")
+                    return
+                item = self._ready.pop(0)
+            yield item
+            del item
+
+    def close(self) -> None:
+        """After the end marker: the thread has finished."""
+        self._thread.join()
+
+    def abandon(self) -> None:
+        """The loader failed: stop taking chunks (a receive under way ends with the group)."""
+        with self._cond:
+            self._abandoned = True
+            self._cond.notify_all()
 
 
-def _ipc_buckets(m: Manifest, ipc: bytes) -> Iterator[tuple[int, torch.Tensor]]:
-    """Buckets as views of the sender's CUDA buffer (mapped once, read in place)."""
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
-    uuid, args = pickle.loads(ipc)
-    args = list(args)
-    args[6] = _device_index(uuid)  # the sender's device, in this process's numbering
-    flat = rebuild_cuda_tensor(*args)
-    starts = m.bucket_starts
-    for b in range(len(m.buckets)):
-        yield b, flat[starts[b]: starts[b + 1]]
-
-
-def _device_index(uuid: str) -> int:
-    for i in range(torch.cuda.device_count()):
-        if str(torch.cuda.get_device_properties(i).uuid) == uuid:
-            return i
-    raise RuntimeError(f"engine weight hop: the searcher's GPU {uuid} is not visible to this worker")
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n

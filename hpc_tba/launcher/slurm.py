@@ -228,6 +228,15 @@ def hostfile_lines(topology: Topology, hosts: Sequence[str]) -> list[str]:
     return [hosts[topology.node_of(r)] for r in range(topology.world_size)]
 
 
+def _plans_host_staging(cfg: RunConfig) -> bool:
+    """Whether the searchers may stage weight versions in host memory: staging=host, or auto with
+    between-rounds updates (auto resolves to host when a version does not fit beside vLLM on the
+    GPU, as `hpc-tba plan` prints; in-flight updates stream instead)."""
+    s = cfg.searcher
+    return cfg.cluster.num_searchers > 0 and (
+        s.staging == "host" or (s.staging == "auto" and s.update != "in_flight"))
+
+
 def sbatch_header(cfg: RunConfig, name: str) -> list[str]:
     """#SBATCH lines for a config: nodes, tasks, GPUs, time, USR1 grace, requeue."""
     c, topo = cfg.cluster, Topology.for_run(cfg)
@@ -236,6 +245,8 @@ def sbatch_header(cfg: RunConfig, name: str) -> list[str]:
              f"--cpus-per-task={cpus_per_task(cfg)}"]
     if c.gpus_per_node:
         lines.append(f"--gpus-per-node={c.gpus_per_node}")
+    if _plans_host_staging(cfg):
+        lines.append("--mem=0")  # host weight staging (a whole version per searcher): the node's memory
     lines += [f"--time={c.time}", f"--signal=USR1@{c.signal_grace_s}"]
     lines.append("--requeue" if c.requeue else "--no-requeue")
     lines += ["--open-mode=append", "--output=%x-%j.out"]

@@ -20,6 +20,7 @@ arrived exactly.
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -30,9 +31,13 @@ class EngineNames:
     def __init__(self, model_path: str):
         self.mapping = _engine_name_map(model_path)
 
-    def __call__(self, named_tensors: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    def __call__(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Renamed lazily, one tensor at a time: a streamed version (`staging=stream`) is never
+        held whole (a list here kept every bucket alive until the load ended)."""
         m = self.mapping
-        return [(m.get(n, n), t) for n, t in named_tensors]
+        for n, t in named_tensors:
+            yield m.get(n, n), t
+            del t  # the caller's loader holds the only reference from here on
 
 
 @functools.lru_cache(maxsize=8)

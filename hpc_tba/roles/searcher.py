@@ -56,11 +56,12 @@ Fault injection for tests: HPC_TBA_FAULT_ENGINE_ROUNDS="3,7" raises inside round
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -87,6 +88,8 @@ class Searcher:
         self.skipped_long = 0
         self._pending_evals: list[int] = []  # versions to evaluate, taken with their weights
         self.dropped_span = 0
+        self._round_s = 1.0  # the last round's duration (how long a skipping searcher waits)
+        self._skipped_logged = 0
         self._faults = {int(x) for x in os.environ.get("HPC_TBA_FAULT_ENGINE_ROUNDS", "").split(",") if x}
         self.transport, self.topo, self.index = transport, topo, index
         train = task.prompts("train")
@@ -180,6 +183,13 @@ class Searcher:
     def apply_weights(self) -> None:
         if self.receiver is None:
             return
+        rx = self.receiver
+        if rx.staging == "stream" and self.cfg.update == "between_rounds" and rx.skipped_versions \
+                and max(rx.skipped_versions) > self.engine.version and not rx.ready():
+            # versions went by during the round (streamed versions cannot wait in memory): wait
+            # for the next one, at most a round's time, so the engine does not fall behind for good
+            with self.timers("wait"):
+                rx.wait_for(max(rx.skipped_versions) + 1, timeout=self._round_s)
         while self._await_weights and not self.receiver.ready():
             with self.timers("wait"):  # a rebuilt engine on the checkpoint's weights: not sampled
                 if self.receiver.wait_for(max(self.receiver.received_versions, default=0) + 1, 0.05):
@@ -189,9 +199,28 @@ class Searcher:
         version = self._load_newest()
         self._await_weights = self._await_weights and version is None
         for v in self._pending_evals:  # evaluated with the newest weights, which are at least v
-            with self.timers("eval"):
+            with self.timers("eval"), self._busy():
                 self.evaluate(v)
         self._pending_evals = []
+        if len(rx.skipped_versions) != self._skipped_logged:
+            self._skipped_logged = len(rx.skipped_versions)
+            self.log.scalars(self.rounds, {"searcher/versions_skipped": self._skipped_logged})
+
+    @contextlib.contextmanager
+    def _busy(self) -> Iterator[None]:
+        """Stream staging, between-rounds updates: while a round (or an evaluation) runs, versions
+        are skipped, not held (the learners never wait for this searcher); one accepted just
+        before is loaded first."""
+        rx = self.receiver
+        if rx is None or rx.staging != "stream" or self.cfg.update == "in_flight":
+            yield
+            return
+        while rx.close_window():
+            self._load_newest()
+        try:
+            yield
+        finally:
+            rx.open_window()
 
     def _load_newest(self) -> int | None:
         """Load the newest version the receiver holds, if any (staged or streamed); returns it."""
@@ -211,8 +240,10 @@ class Searcher:
         return staged.version
 
     def generate_round(self) -> None:
-        with self.timers("generate"):
+        t0 = time.time()
+        with self._busy(), self.timers("generate"):
             self._generate_round()
+        self._round_s = time.time() - t0
 
     def _generate_round(self) -> None:
         t0 = time.time()

@@ -4,8 +4,9 @@ The sync group is its own process group (learner rank 0 + all searchers) built f
 independent of the learners' default group that DeepSpeed uses, so ZeRO-3 collectives and weight
 broadcasts never share a communicator. Backend `gloo` on CPU and `nccl` on GPU: same code.
 
-Protocol, per sync: a header int64 [version, flags, num_buckets], then one flat buffer per
-bucket in manifest order, in the manifest's wire dtype (fp32 by default, bf16 for large models on
+Protocol, per sync: a header [version, flags, num_buckets] posted on the host (a key of the
+group's TCPStore: no receive is pending on the group between syncs), then one broadcast of a
+flat buffer per bucket in manifest order, in the manifest's wire dtype (fp32 by default, bf16 for large models on
 GPU: half the bytes, and what the engine runs in anyway). The manifest (parameter names and shapes
 in a fixed order, split into buckets of at most `bucket_bytes` on the wire, and the wire dtype) is
 agreed once at setup, so no per-parameter message is ever sent and both sides size every buffer
@@ -20,7 +21,7 @@ Receiver: a background thread receives bucket by bucket into bounded staging
 version is staged per searcher, in the wire dtype (the engine's dtype by default):
 
     device, host:  sync memory = one whole version + one bucket   (manifest.total_bytes + B)
-    stream:        sync memory = two buckets                      (2 B)
+    stream:        sync memory = two buckets, three at most       (3 B)
 
 where B is the manifest's largest bucket in bytes (at most `learner.sync_bucket_mb`, or one
 parameter larger than that). `staging_bytes(manifest, staging)` is that formula, which the
@@ -34,7 +35,16 @@ stream loads each bucket into the engine as it arrives (WeightReceiver's docstri
 - `receiver.py`: `WeightReceiver`, the searcher side, and the staging's memory (`staging_bytes`).
 """
 # The package's public names, from the module that defines each (importers use these).
-from hpc_tba.comm.weight_sync.group import GROUP_TIMEOUT_S, broadcast_async, new_group
+from hpc_tba.comm.weight_sync.group import (
+    GROUP_TIMEOUT_S,
+    attach_store,
+    broadcast_async,
+    new_group,
+    post_header,
+    stop_receivers,
+    wait_header,
+    wait_host,
+)
 from hpc_tba.comm.weight_sync.manifest import FLAG_EVAL, FLAG_STOP, WIRE_DTYPES, Manifest, wire_dtype_name
 from hpc_tba.comm.weight_sync.receiver import (
     STAGING_MODES,
@@ -48,4 +58,5 @@ from hpc_tba.comm.weight_sync.sender import WeightSender
 
 __all__ = ["FLAG_EVAL", "FLAG_STOP", "GROUP_TIMEOUT_S", "STAGING_MODES", "WIRE_DTYPES", "Manifest",
            "StagedWeights", "StreamedWeights", "WeightReceiver", "WeightSender", "broadcast_async",
-           "new_group", "resolve_staging", "staging_bytes", "wire_dtype_name"]
+           "attach_store", "new_group", "post_header", "resolve_staging", "staging_bytes",
+           "stop_receivers", "wait_header", "wait_host", "wire_dtype_name"]

@@ -1,12 +1,19 @@
 """The sync group (learner rank 0 + every searcher): a standalone process group from its own
-TCPStore, and the broadcasts from its rank 0 that carry every header and bucket."""
+TCPStore, the broadcasts from its rank 0 that carry every bucket, and the host-side headers.
+
+A version is announced on the host before any device receive is posted: its header is a key of
+the group's TCPStore (`post_header` / `wait_header`), not a collective, so between two syncs no
+receive is pending on the group (with NCCL a posted receive would keep a kernel spinning on the
+engine's GPU for the whole interval). Every receive is waited for on the host (`receive`).
+"""
 from __future__ import annotations
 
 import datetime
 
 import torch
 
-_STORES: list = []
+_STORES: dict[int, list] = {}  # id(group) -> [its store, headers posted/read on this side]
+_HEADER_KEY = "hpc_tba/sync_header/{}"
 GROUP_TIMEOUT_S = 1800.0
 """Timeout of every process group the job makes (gloo and NCCL alike)."""
 
@@ -26,8 +33,48 @@ def new_group(*, host: str, port: int, rank: int, size: int, backend: str,
         pg = dist.ProcessGroupNCCL(store, rank, size, opts)
     else:
         raise ValueError(f"weight-sync backend {backend!r} is not gloo or nccl")
-    _STORES.append(store)  # the group needs its store for as long as the process lives
+    _STORES[id(pg)] = [store, 0]  # the group needs its store for as long as the process lives
     return pg
+
+
+def attach_store(pg, store) -> None:
+    """Give a group built elsewhere its header store (tests wrapping a group)."""
+    _STORES[id(pg)] = [store, 0]
+
+
+def _store_of(pg) -> list:
+    entry = _STORES.get(id(pg))
+    if entry is None:
+        raise ValueError("weight-sync group has no header store: build it with new_group "
+                         "(or attach_store)")
+    return entry
+
+
+def post_header(pg, header: list[int]) -> None:
+    """Rank 0: announce the next sync (its header ints) on the host; the previous header's key is
+    dropped (every member read it: it joined that sync's broadcasts)."""
+    entry = _store_of(pg)
+    store, seq = entry
+    store.set(_HEADER_KEY.format(seq), ",".join(str(int(x)) for x in header))
+    if seq > 0:
+        store.delete_key(_HEADER_KEY.format(seq - 1))
+    entry[1] = seq + 1
+
+
+def wait_header(pg, *, poll_s: float = 60.0) -> list[int]:
+    """Other ranks: block on the host until the next header is posted; returns its ints."""
+    entry = _store_of(pg)
+    store, seq = entry
+    key = _HEADER_KEY.format(seq)
+    while True:
+        try:
+            store.wait([key], datetime.timedelta(seconds=poll_s))
+            break
+        except torch.distributed.DistStoreError as e:  # the learner may be checkpointing: wait on
+            if "timeout" not in str(e):
+                raise
+    entry[1] = seq + 1
+    return [int(x) for x in store.get(key).decode().split(",")]
 
 
 def broadcast_async(pg, tensor: torch.Tensor):
@@ -38,5 +85,24 @@ def broadcast_async(pg, tensor: torch.Tensor):
 
 
 def broadcast(pg, tensor: torch.Tensor) -> None:
-    """Broadcast from group rank 0 and wait for it."""
-    broadcast_async(pg, tensor).wait()
+    """Broadcast from group rank 0 and wait for it on the host."""
+    wait_host(broadcast_async(pg, tensor), tensor)
+
+
+def wait_host(work, tensor: torch.Tensor) -> None:
+    """Wait for a collective on `tensor` until it has completed, on the host.
+
+    On gloo `Work.wait()` already is that; with NCCL it only makes the current stream wait, so the
+    stream is synchronized too (the GPU branch, covered by tools/gpu_check.sh)."""
+    work.wait()
+    if tensor.is_cuda:
+        torch.cuda.current_stream(tensor.device).synchronize()
+
+
+def stop_receivers(pg, *, device: str | torch.device = "cpu") -> None:
+    """Rank 0: announce STOP, then wait until every receiver has read it (one last broadcast), so
+    the store this rank hosts outlives their reads."""
+    from hpc_tba.comm.weight_sync.manifest import FLAG_STOP
+
+    post_header(pg, [-1, FLAG_STOP, 0])
+    broadcast(pg, torch.zeros(1, dtype=torch.int64, device=device))

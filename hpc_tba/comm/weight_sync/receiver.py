@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from hpc_tba.comm.weight_sync.group import broadcast
+from hpc_tba.comm.weight_sync.group import broadcast, wait_header
 from hpc_tba.comm.weight_sync.manifest import FLAG_EVAL, FLAG_STOP, Manifest
 
 
@@ -41,26 +41,34 @@ STAGING_MODES = ("device", "host", "stream")
 
 
 def staging_bytes(manifest: Manifest, staging: str) -> int:
-    """The searcher's sync memory (bytes the receiver allocates) for a manifest: device and host
-    staging hold one whole version plus one bucket; stream holds two buckets."""
+    """The searcher's sync memory (bytes the receiver allocates at most) for a manifest: device and
+    host staging hold one whole version plus one bucket (the bucket an NCCL receive lands in
+    before host staging, or a skipped version is drained into); stream holds two buckets, three
+    while the loader still references the last tensor of both when it asks for the next (a loop
+    variable does; `_consume` then allows one more rather than deadlock)."""
     itemsize = torch.empty((), dtype=manifest.dtype).element_size()
     bucket = manifest.largest_bucket_numel * itemsize
     if staging == "stream":
-        return 2 * bucket
+        return 3 * bucket  # two, and the one more allowed while a loader still holds both
     if staging in ("device", "host"):
         return manifest.total_bytes + bucket
     raise ValueError(f"weight staging {staging!r} is not one of {STAGING_MODES}")
 
 
 def resolve_staging(staging: str, device: str, manifest: Manifest, *,
-                    free_bytes: int | None = None, headroom: float = 0.9) -> str:
-    """searcher.staging with `auto` resolved: device when one staged version (and a bucket) fits
-    in `headroom` of the engine GPU's free memory (`free_bytes`, measured once the engine holds
-    its share), else host; host on CPU."""
+                    free_bytes: int | None = None, headroom: float = 0.9,
+                    update: str = "between_rounds") -> str:
+    """searcher.staging with `auto` resolved: stream with in-flight updates (the engine takes each
+    version between two decode steps: nothing waits in memory, two buckets); with between-rounds
+    updates a version must wait for the round to end, so in a whole-version buffer: device when
+    it (and a bucket) fits in `headroom` of the engine GPU's free memory (`free_bytes`, measured
+    once the engine holds its share), else host; host on CPU."""
     if staging != "auto":
         if staging not in STAGING_MODES:
             raise ValueError(f"searcher.staging={staging!r} is not auto or one of {STAGING_MODES}")
         return staging
+    if update == "in_flight":
+        return "stream"
     if torch.device(device).type != "cuda":
         return "host"
     if free_bytes is None:
@@ -78,9 +86,12 @@ class WeightReceiver:
       `device` (NCCL cannot receive into host memory).
     - stream: no version buffer; `take()` hands out a `StreamedWeights` as soon as a version's
       header arrived and the buckets are received while the engine loads them. At most two
-      buckets are allocated at a time (one being loaded, one being received). The learner's
-      broadcast of a bucket completes only once this searcher posts its receive, so with
-      between-rounds updates a streamed version holds the learner until the round ends.
+      buckets are allocated at a time (one being loaded, one being received). A version
+      announced while the searcher is not `accepting` (a between-rounds round under way) is
+      drained into one bucket and skipped, so the learners never wait for a round.
+
+    A version arriving while a load reads the device/host buffer is skipped the same way; every
+    skipped (or replaced before taken) version is in `skipped_versions`.
 
     Memory (`staging_bytes`): device/host = one whole version + one bucket; stream = two buckets
     (the largest bucket of the manifest, in its wire dtype, which is the engine's dtype with
@@ -91,7 +102,8 @@ class WeightReceiver:
     counts every byte the receiver allocated, measured, not computed.
     """
 
-    def __init__(self, manifest: Manifest, group, *, device: str = "cpu", staging: str = "host"):
+    def __init__(self, manifest: Manifest, group, *, device: str = "cpu", staging: str = "host",
+                 accepting: bool = True):
         if staging not in STAGING_MODES:
             raise ValueError(f"weight staging {staging!r} is not one of {STAGING_MODES} "
                              "(resolve auto with resolve_staging)")
@@ -101,12 +113,20 @@ class WeightReceiver:
         self._complete: StagedWeights | None = None  # the whole version in the buffer
         self._readers = 0
         self._version_buf: torch.Tensor | None = None
-        self._bucket: torch.Tensor | None = None
+        self._bucket: torch.Tensor | None = None  # lands NCCL receives for host staging; drains
         self._pending_eval: list[int] = []
         self._stream_live = 0  # stream: bucket buffers alive (at most two, see _consume)
         self._want_bucket = self._overdraft = False
         self._buckets: queue.Queue = queue.Queue()
         self._consumed = threading.Event()
+        self.accepting = accepting
+        """Stream staging: whether a version announced now is loaded (True: the searcher takes it
+        at once, between decode steps or while it waits) or skipped (False: the searcher is busy
+        with a round whose samples must not mix versions). Set through `open_window` /
+        `close_window`; never blocks the learners either way."""
+        self.skipped_versions: list[int] = []
+        """Versions received but never handed to the engine: drained because the searcher was
+        busy (stream), arrived while a load read the buffer, or replaced before they were taken."""
         self.staging_now, self.peak_staging_bytes = 0, 0
         self.received_versions: list[int] = []
         self.stopped = False
@@ -118,10 +138,10 @@ class WeightReceiver:
     def _loop(self) -> None:
         try:
             while True:
-                header = torch.zeros(3, dtype=torch.int64, device=self.device)
-                broadcast(self.group, header)
-                version, flags, nb = (int(x) for x in header)
+                # announced on the host: no receive is posted on the group between two syncs
+                version, flags, nb = wait_header(self.group)
                 if flags & FLAG_STOP:
+                    broadcast(self.group, torch.zeros(1, dtype=torch.int64, device=self.device))
                     return
                 if nb != len(self.manifest.buckets):
                     raise RuntimeError(f"sync header announces {nb} buckets, manifest has "
@@ -141,9 +161,16 @@ class WeightReceiver:
                 self._cond.notify_all()
 
     def _alloc(self, numel: int, device, *, pin: bool = False, stream: bool = False) -> torch.Tensor:
-        """A buffer whose bytes count as staging until the last view of it is gone."""
-        t = torch.empty(numel, dtype=self.manifest.dtype, device=device, pin_memory=pin)
+        """A buffer whose bytes count as staging until the last view of it is gone.
+
+        Exactly `numel` elements: pinned host memory is plain memory registered with CUDA
+        (`cudaHostRegister`), not torch's caching host allocator, which rounds every block up to a
+        power of two (ATen's CachingHostAllocator: 131 GiB would take 256 GiB). CPU runs have no
+        CUDA to pin with; the GPU branch is checked by tools/gpu_check.sh."""
+        t = torch.empty(numel, dtype=self.manifest.dtype, device=device)
         nbytes = t.numel() * t.element_size()
+        if pin and nbytes:
+            _register_host(t)
         with self._cond:
             self.staging_now += nbytes
             self._stream_live += stream
@@ -157,25 +184,48 @@ class WeightReceiver:
             self._stream_live -= stream
             self._cond.notify_all()
 
+    def _drain(self, version: int) -> None:
+        """Receive a version nobody will load into one bucket buffer, and drop it (counted)."""
+        m = self.manifest
+        if self._bucket is None:
+            self._bucket = self._alloc(m.largest_bucket_numel, self.device)
+        for b in range(len(m.buckets)):
+            broadcast(self.group, self._bucket[: m.bucket_numel(b)])
+        if self.staging == "stream":  # freed: stream's two buckets are the bound
+            self._bucket = None
+        with self._cond:
+            self.skipped_versions.append(version)
+
     def _stage(self, version: int, flags: int) -> None:
-        """Device/host staging: each bucket lands in the bucket buffer, then is copied into the
-        version buffer (never while the main thread reads it)."""
+        """Device/host staging: each bucket is received straight into the version buffer (through
+        one device bucket when host staging meets an NCCL group). A version that arrives while the
+        searcher reads the buffer (an engine loading it) is drained and skipped: the learners
+        never wait for a load."""
         m, starts = self.manifest, self.manifest.bucket_starts
+        with self._cond:
+            busy = self._readers > 0
+            if not busy:
+                if self._latest is not None:  # staged, never taken: replaced
+                    self.skipped_versions.append(self._latest.version)
+                self._latest = self._complete = None  # the buffer no longer holds a whole version
+        if busy:
+            self._drain(version)
+            return
         if self._version_buf is None:
             host = self.staging == "host"
             where = "cpu" if host else self.device
             self._version_buf = self._alloc(m.numel, where, pin=host and torch.cuda.is_available())
-            self._bucket = self._alloc(m.largest_bucket_numel, self.device)
         flat = self._version_buf
+        in_place = flat.device.type == torch.device(self.device).type
         for b in range(len(m.buckets)):
+            if in_place:
+                broadcast(self.group, flat[starts[b]: starts[b + 1]])
+                continue
+            if self._bucket is None:  # NCCL receives into device memory only
+                self._bucket = self._alloc(m.largest_bucket_numel, self.device)
             part = self._bucket[: m.bucket_numel(b)]
             broadcast(self.group, part)
-            with self._cond:
-                self._cond.wait_for(lambda: self._readers == 0)
-                self._latest = self._complete = None  # the buffer no longer holds a whole version
-                flat[starts[b]: starts[b + 1]].copy_(part)
-                if part.is_cuda or flat.is_cuda:  # the main thread reads on its own stream
-                    torch.cuda.current_stream(part.device if part.is_cuda else flat.device).synchronize()
+            flat[starts[b]: starts[b + 1]].copy_(part)
         staged = StagedWeights(version, flags, _views(m, flat, 0))
         with self._cond:
             self._latest = self._complete = staged
@@ -183,12 +233,20 @@ class WeightReceiver:
 
     def _stream(self, version: int, flags: int) -> None:
         """Stream staging: hand the version out now; receive bucket b once fewer than two buckets
-        are alive (freed by whoever held them last: the engine's loader, usually)."""
+        are alive (freed by whoever held them last: the engine's loader, usually). A version that
+        arrives while the searcher is not accepting is drained and skipped."""
         m = self.manifest
         self._consumed.clear()
         with self._cond:
-            self._latest = StreamedWeights(version, flags, functools.partial(self._consume, version))
-            self._announce(version, flags)
+            accept = self.accepting
+            if accept:
+                self._latest = StreamedWeights(version, flags, functools.partial(self._consume, version))
+                self._announce(version, flags)
+            elif flags & FLAG_EVAL:
+                self._pending_eval.append(version)  # evaluated with the next version loaded
+        if not accept:
+            self._drain(version)
+            return
         for b in range(len(m.buckets)):
             with self._cond:
                 self._want_bucket = True
@@ -197,8 +255,6 @@ class WeightReceiver:
                 self._want_bucket = self._overdraft = False
             buf = self._alloc(m.bucket_numel(b), self.device, stream=True)
             broadcast(self.group, buf)
-            if buf.is_cuda:
-                torch.cuda.current_stream(buf.device).synchronize()
             with self._cond:
                 self._buckets.put((b, buf))
                 self._cond.notify_all()
@@ -250,6 +306,18 @@ class WeightReceiver:
             with self._cond:
                 self._readers -= 1
                 self._cond.notify_all()
+
+    def open_window(self) -> None:
+        """Stream staging: versions announced from now on are handed to the searcher."""
+        with self._cond:
+            self.accepting = True
+
+    def close_window(self) -> bool:
+        """Stream staging: versions announced from now on are skipped until `open_window`;
+        returns whether one was accepted and not taken yet (load it before going busy)."""
+        with self._cond:
+            self.accepting = False
+            return self._latest is not None
 
     def ready(self) -> bool:
         """Whether a version not yet taken is staged (or, streaming, announced)."""
@@ -313,3 +381,13 @@ def _views(m: Manifest, flat: torch.Tensor, first: int) -> list[tuple[str, torch
         off += n
     return out
 
+
+
+def _register_host(t: torch.Tensor) -> None:
+    """Pin `t`'s memory in place (exactly its bytes) and unpin it when it is freed."""
+    cudart = torch.cuda.cudart()
+    nbytes = t.numel() * t.element_size()
+    err = cudart.cudaHostRegister(t.data_ptr(), nbytes, 0)
+    if int(getattr(err, "value", err)) != 0:
+        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes of host staging failed (error {err})")
+    weakref.finalize(t, cudart.cudaHostUnregister, t.data_ptr())

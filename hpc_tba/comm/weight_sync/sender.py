@@ -6,8 +6,8 @@ import time
 
 import torch
 
-from hpc_tba.comm.weight_sync.group import broadcast, broadcast_async
-from hpc_tba.comm.weight_sync.manifest import FLAG_STOP, Manifest
+from hpc_tba.comm.weight_sync.group import broadcast_async, post_header, stop_receivers
+from hpc_tba.comm.weight_sync.manifest import Manifest
 
 
 class WeightSender:
@@ -44,13 +44,14 @@ class WeightSender:
         """Gather and broadcast every bucket; returns bytes broadcast (0 on ranks other than 0).
 
         Every learner rank joins the gathers (collectives on the learners' group) while rank 0's
-        broadcast of the previous bucket is in flight on the sync group. Returns once every
-        broadcast of this version has completed on this rank.
+        broadcast of the previous bucket is in flight on the sync group. The version is announced
+        on the host first (the group's store), so receivers post no receive between syncs.
+        Returns once every broadcast of this version has completed, on the host (with NCCL the
+        stream is synchronized too): `sync/time_s` is the time to completion on both backends.
         """
         m, root = self.manifest, self.group is not None
-        # on the group's device: NCCL moves only CUDA tensors
-        header = torch.tensor([version, flags, len(m.buckets)], dtype=torch.int64, device=self.device)
-        header_work = broadcast_async(self.group, header) if root else None
+        if root:
+            post_header(self.group, [version, flags, len(m.buckets)])
         sent, t_gather, t_wait = 0, 0.0, 0.0
         for b, idx in enumerate(m.buckets):
             t0 = time.perf_counter()
@@ -64,9 +65,10 @@ class WeightSender:
                 sent += flat.numel() * flat.element_size()
         t0 = time.perf_counter()
         if root:
-            header_work.wait()
             for slot in range(len(self._works)):
                 self._free_slot(slot, 0)
+            if self.device.type == "cuda":  # Work.wait() only made the stream wait (NCCL)
+                torch.cuda.current_stream(self.device).synchronize()
         self.last_timing = {"gather_pack_s": t_gather, "wait_s": t_wait + time.perf_counter() - t0}
         return sent
 
@@ -117,7 +119,7 @@ class WeightSender:
 
     def stop(self) -> None:
         if self.group is not None:
-            broadcast(self.group, torch.tensor([-1, FLAG_STOP, 0], dtype=torch.int64, device=self.device))
+            stop_receivers(self.group, device=self.device)
 
 
 def _shard_gatherable(p: torch.nn.Parameter, device: torch.device) -> bool:
