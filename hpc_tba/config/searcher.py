@@ -31,7 +31,7 @@ class SearcherConfig:
     are still in flight (not yet taken by the buffer's rank: back-pressure); 0: no bound."""
     staging: str = "auto"
     """Where a received weight version waits for the engine: device (one version in the engine's
-    dtype on its GPU), host (pinned host memory), stream (two buckets: bucket by bucket straight
+    dtype on its GPU), host (pinned host memory), stream (at most three buckets: bucket by bucket straight
     into the engine, in or out of process; a version arriving mid-round with between_rounds
     updates is skipped and counted), or auto (stream with in_flight updates; else device when it
     fits, else host)."""
