@@ -239,6 +239,7 @@ class _Versions:
 
         self.staged, self.every, self.calls, self.version, self.pending = StagedWeights, every, 0, 0, False
         self.received_versions, self.stopped = [], False
+        self.staging, self.skipped_versions = "host", []  # a whole version staged, none skipped
 
     def ready(self):
         self.calls += 1

@@ -67,6 +67,7 @@ class EngineWeightChannel:
         self.group, self._store = None, None
         self.broken: str | None = None
         self.packed_bytes_now = self.peak_packed_bytes = 0
+        self._pack_buf: torch.Tensor | None = None  # the one packing buffer of a send
         """Host bytes this process allocated to pack chunks (0 when it forwards bucket views)."""
         self.last_worker_stats: list[dict] = []
         """Per worker, of the last send: elements loaded, peak chunk bytes alive, ru_maxrss growth."""
@@ -127,6 +128,7 @@ class EngineWeightChannel:
                 raise loading.exception() from e  # the workers' error says what went wrong
             raise
         finally:
+            self._pack_buf = None
             pool.shutdown(wait=False)
         self.last_worker_stats = stats
         if [s["numel"] for s in stats] != [sent] * self.num_workers:
@@ -144,13 +146,23 @@ class EngineWeightChannel:
             self.group.abort()
 
     def _packed(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A host buffer for one packed chunk, counted while it lives."""
-        t = torch.empty(numel, dtype=dtype)
-        nbytes = numel * t.element_size()
+        """A host buffer for one packed chunk, counted while it lives. One buffer serves every
+        chunk of a send: `_chunks` packs the next chunk only once the broadcasts of the one before
+        have been waited for, so overwriting it is safe; a fresh buffer per chunk would leave the
+        peak to when the backend drops its reference to the last one (after wait() returns)."""
+        buf = self._pack_buf
+        if buf is not None and buf.dtype == dtype and buf.numel() >= numel:
+            return buf[:numel]
+        self._pack_buf = buf = None  # released before a larger one is made
+        # room for a whole chunk at once (the cap, or a larger tensor): it does not grow again
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        t = torch.empty(max(numel, self.bucket_bytes // itemsize), dtype=dtype)
+        nbytes = t.numel() * t.element_size()
         self.packed_bytes_now += nbytes
         self.peak_packed_bytes = max(self.peak_packed_bytes, self.packed_bytes_now)
         weakref.finalize(t, self._unpacked, nbytes)
-        return t
+        self._pack_buf = t
+        return t[:numel]
 
     def _unpacked(self, nbytes: int) -> None:
         self.packed_bytes_now -= nbytes
@@ -345,7 +357,7 @@ class _ChunkReceiver:
 
     def _alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         t = torch.empty(numel, dtype=dtype)
-        nbytes = numel * t.element_size()
+        nbytes = t.numel() * t.element_size()
         with self._cond:
             self._live += 1
             self.live_bytes += nbytes
