@@ -73,6 +73,7 @@ class _Receiver:
         self.model_path, self.version, self.left, self.every = model_path, start, versions, every
         self.calls, self.pending, self.taken = 0, False, []
         self.received_versions, self.stopped = [], False
+        self.staging, self.skipped_versions = "stream", []  # auto with in-flight updates; none skipped
 
     def ready(self) -> bool:
         self.calls += 1
