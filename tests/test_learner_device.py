@@ -37,7 +37,12 @@ class _Group:
     """Stands in for the sync group: records what the sender broadcasts."""
 
     def __init__(self, audit):
+        import torch.distributed as dist
+
+        from hpc_tba.comm.weight_sync.group import attach_store
+
         self.audit = audit
+        attach_store(self, dist.HashStore())  # the headers go to the group's store (host side)
 
     def broadcast(self, tensors, opts):
         self.audit.check("weight-sync broadcast", tensors)

@@ -106,7 +106,7 @@ def test_every_nccl_group_gets_the_gloo_timeout(monkeypatch):
 
     monkeypatch.setattr(dist, "ProcessGroupNCCL", FakeNCCL, raising=False)
     monkeypatch.setattr(dist, "TCPStore", lambda *a, **kw: object())
-    monkeypatch.setattr(sync_group, "_STORES", [])
+    monkeypatch.setattr(sync_group, "_STORES", {})
     monkeypatch.setattr(torch.cuda, "set_device", lambda i: seen.setdefault("device", i))
     monkeypatch.setattr(deepspeed, "init_distributed", lambda **kw: seen.update(init=kw))
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
