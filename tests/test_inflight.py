@@ -50,6 +50,7 @@ class _Receiver:
     def __init__(self, model_path: str, versions: int, every: int):
         self.model_path, self.left, self.every, self.calls = model_path, versions, every, 0
         self.next_version, self.taken = 2, []
+        self.staging, self.skipped_versions = "stream", []  # auto with in-flight updates; none skipped
 
     def ready(self) -> bool:
         self.calls += 1
