@@ -46,6 +46,24 @@ def gloo_group(rank: int, world: int, port: int):
         dist.destroy_process_group()
 
 
+def sync_group_pair(timeout_s: float = 60) -> tuple:
+    """Both ends (rank 0, rank 1) of a 2-member gloo weight-sync group (`new_group`, its header
+    store included), built in this process by two threads: a learner thread sends to a receiver."""
+    import threading
+
+    from hpc_tba.comm.groups import free_ports
+    from hpc_tba.comm.weight_sync import new_group
+
+    port, out = free_ports(1)[0], {}
+    threads = [threading.Thread(target=lambda r=r: out.__setitem__(r, new_group(
+        host="127.0.0.1", port=port, rank=r, size=2, backend="gloo", timeout_s=timeout_s))) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out[0], out[1]
+
+
 def spawn_ranks(fn, nprocs: int, args: tuple = (), *, timeout_s: float) -> list:
     """Run fn(rank, *args) in `nprocs` fresh (spawned) processes; returns each rank's return value
     (picklable, no tensors: their shared memory dies with the process). A rank that raises, dies or

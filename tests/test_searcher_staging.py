@@ -7,6 +7,7 @@ import contextlib
 
 import pytest
 import torch
+from conftest import sync_group_pair
 
 from hpc_tba.comm.weight_sync import StagedWeights, StreamedWeights
 
@@ -94,22 +95,6 @@ def test_config_takes_stream_staging_out_of_process_and_refuses_a_bad_span():
 
 # ---------------------------------------------------------------- a busy or slow searcher
 
-def _pair():
-    """Both ends of a 2-member gloo sync group, in this process (a learner thread sends)."""
-    import threading
-
-    from hpc_tba.comm.groups import free_ports
-    from hpc_tba.comm.weight_sync import new_group
-
-    port, out = free_ports(1)[0], {}
-    threads = [threading.Thread(target=lambda r=r: out.__setitem__(r, new_group(
-        host="127.0.0.1", port=port, rank=r, size=2, backend="gloo", timeout_s=60))) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return out[0], out[1]
-
 
 def _send(pg, m, version: int) -> float:
     """Learner side of one sync (header on the host, then every bucket); returns its seconds."""
@@ -149,7 +134,7 @@ def test_a_busy_or_slow_searcher_never_holds_the_learner_and_takes_the_newest(tm
     from hpc_tba.comm.weight_sync import Manifest, WeightReceiver, stop_receivers
 
     m = Manifest.build([(f"w{i}", (256,)) for i in range(32)], bucket_bytes=1024)  # 32 buckets
-    tx, rx_pg = _pair()
+    tx, rx_pg = sync_group_pair()
     rx = WeightReceiver(m, rx_pg, staging=staging)
     s = _searcher(tmp_path, rx, [_SlowEngine(0.5)])
     if staging == "stream":

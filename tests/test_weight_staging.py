@@ -9,7 +9,7 @@ import os
 
 import pytest
 import torch
-from conftest import spawn_ranks
+from conftest import spawn_ranks, sync_group_pair
 
 from hpc_tba.comm.groups import free_ports
 from hpc_tba.comm.weight_sync import (
@@ -164,17 +164,11 @@ def test_stream_through_engine_names_holds_two_buckets_of_32():
     kept every bucket alive: `sync staging peak/bucket = 5.09` in tools/bench_inflight.py)."""
     import threading
 
-    from hpc_tba.comm.weight_sync import WeightReceiver, broadcast_async, new_group, post_header, stop_receivers
+    from hpc_tba.comm.weight_sync import WeightReceiver, broadcast_async, post_header, stop_receivers
     from hpc_tba.models.naming import EngineNames
 
     m = Manifest.build([(f"l{i}.w", (256,)) for i in range(32)], bucket_bytes=1024)  # 32 buckets
-    port, pgs = free_ports(1)[0], {}
-    threads = [threading.Thread(target=lambda r=r: pgs.__setitem__(r, new_group(
-        host="127.0.0.1", port=port, rank=r, size=2, backend="gloo", timeout_s=60))) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    pgs = dict(enumerate(sync_group_pair()))
     rx = WeightReceiver(m, pgs[1], staging="stream")
     names = EngineNames.__new__(EngineNames)
     names.mapping = {"l0.w": "model.l0.w"}
@@ -226,27 +220,19 @@ class _CountingGroup:
 def test_no_receive_is_pending_between_syncs(mode):
     """The header is announced on the host (the group's store): once a version is in, the
     receiver posts nothing on the group until the next header."""
-    import threading
     import time
 
     from hpc_tba.comm.weight_sync import (
         WeightReceiver,
         attach_store,
         broadcast_async,
-        new_group,
         post_header,
         stop_receivers,
     )
     from hpc_tba.comm.weight_sync.group import _STORES
 
     m = _manifest(1024)
-    port, pgs = free_ports(1)[0], {}
-    threads = [threading.Thread(target=lambda r=r: pgs.__setitem__(r, new_group(
-        host="127.0.0.1", port=port, rank=r, size=2, backend="gloo", timeout_s=60))) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    pgs = dict(enumerate(sync_group_pair()))
     counting = _CountingGroup(pgs[1])
     attach_store(counting, _STORES[id(pgs[1])][0])
     rx = WeightReceiver(m, counting, staging=mode)
