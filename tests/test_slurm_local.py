@@ -308,11 +308,22 @@ def test_launch_through_submitit_slurm_executor(slurm, tmp_path, monkeypatch):
     from hpc_tba.launcher.submit import launch
 
     monkeypatch.setenv("SLURM_CONF", str(slurm.conf))
-    overrides = ["cluster=slurm_cpu", *TINY, f"run_dir={tmp_path / 'run'}"]
-    job = launch(compose(overrides), overrides=overrides)
-    assert job.num_tasks == 3
+    for attempt in range(2):  # one resubmission, on PMI2_MISREAD only (see _pmi2_misread)
+        run_dir = tmp_path / f"run{attempt}"
+        overrides = ["cluster=slurm_cpu", *TINY, f"run_dir={run_dir}"]
+        job = launch(compose(overrides), overrides=overrides)
+        assert job.num_tasks == 3
+        # submitit reads job states from accounting, which this cluster has not: a job whose ranks
+        # died would be waited for forever, so its end is taken from scontrol first
+        state = slurm.wait(str(job.job_id), timeout_s=600)
+        logs = sorted((run_dir / "submitit").glob(f"{job.job_id}_*_log.*"))
+        text = "".join(log.read_text() for log in logs)
+        if state != "COMPLETED" and attempt == 0 and PMI2_MISREAD in text and "MPI_Init" in text:
+            continue
+        assert state == "COMPLETED", f"job {job.job_id} ended {state}:\n{text[-3000:]}"
+        break
     assert job.results() == [0, 0, 0]
-    _assert_tiny_run(tmp_path / "run")
+    _assert_tiny_run(run_dir)
 
 
 NEEDS_RESUME = pytest.mark.skipif(not (REPO / "hpc_tba" / "checkpoint.py").exists(),
