@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[1]
 def test_slurm_parameters_mirror_the_70b_script():
     p = submit._slurm_parameters(compose(["+experiment=tba_70b"]))
     assert (p["nodes"], p["ntasks_per_node"], p["cpus_per_task"], p["gpus_per_node"]) == (16, 8, 13, 8)
-    assert p["time"] == 2 * 24 * 60 and p["signal_delay_s"] == 600 and p["exclusive"]
+    assert p["time"] == 2 * 24 * 60 and p["signal_delay_s"] == 1500 and p["exclusive"]
     assert p["srun_args"] == ["--mpi=pmi2", "--distribution=arbitrary", "--ntasks=80"]
     assert "TASKS=(8 8 8 8 8 8 8 8 2 2 2 2 2 2 2 2)" in p["setup"][-1]
 
