@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import spawn_ranks
 from test_checkpoint_trust import BATCH, SEQ, VOCAB, _batches, _differences, _engine, _snapshot, _step
 
 DELAY_S = 0.4  # per file copied: DeepSpeed's 2 files + rank0.json + rng + learner.json
@@ -125,12 +126,10 @@ def _unloaded_policy(model_dir: Path, root: Path):
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
-    import torch.multiprocessing as mp
-
     from hpc_tba.comm.groups import free_ports
 
     tmp = tmp_path_factory.mktemp("async_ckpt")
-    mp.spawn(_worker, args=(free_ports(1)[0], str(tmp)), nprocs=1, join=True)
+    spawn_ranks(_worker, 1, (free_ports(1)[0], str(tmp)), timeout_s=900)  # a hung rank fails the test
     return json.loads((tmp / "report.json").read_text())
 
 
