@@ -95,8 +95,15 @@ def wait_host(work, tensor: torch.Tensor) -> None:
     On gloo `Work.wait()` already is that; with NCCL it only makes the current stream wait, so the
     stream is synchronized too (the GPU branch, covered by tools/gpu_check.sh)."""
     work.wait()
-    if tensor.is_cuda:
-        torch.cuda.current_stream(tensor.device).synchronize()
+    sync_stream(tensor.device)
+
+
+def sync_stream(device: str | torch.device) -> None:
+    """Block the host until `device`'s current stream has finished (NCCL work is queued there);
+    nothing to wait for on CPU. The one device branch of the sync (covered by tools/gpu_check.sh)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
 
 
 def stop_receivers(pg, *, device: str | torch.device = "cpu") -> None:

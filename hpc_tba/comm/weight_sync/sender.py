@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from hpc_tba.comm.weight_sync.group import broadcast_async, post_header, stop_receivers
+from hpc_tba.comm.weight_sync.group import broadcast_async, post_header, stop_receivers, sync_stream
 from hpc_tba.comm.weight_sync.manifest import Manifest
 
 
@@ -67,8 +67,7 @@ class WeightSender:
         if root:
             for slot in range(len(self._works)):
                 self._free_slot(slot, 0)
-            if self.device.type == "cuda":  # Work.wait() only made the stream wait (NCCL)
-                torch.cuda.current_stream(self.device).synchronize()
+            sync_stream(self.device)  # NCCL: Work.wait() only made the stream wait
         self.last_timing = {"gather_pack_s": t_gather, "wait_s": t_wait + time.perf_counter() - t0}
         return sent
 
