@@ -261,6 +261,20 @@ def test_report_renders_tables_plots_and_flags_a_stale_discussion(tmp_path):
         report.render(tmp_path / "empty", tmp_path / "R.md")
 
 
+def test_report_keeps_hand_written_sections(tmp_path):
+    out = tmp_path / "results"
+    runner.run_experiment(_experiment(), seeds=1, root=tmp_path / "runs", out=out,
+                          execute=FakeHpcTba(), log=lambda s: None)
+    (out / "zz_hand.section.md").write_text("## Hand: measured by hand\n\n| a | b |\n")
+    md = report.render(out, tmp_path / "RESULTS.md").read_text()
+    assert md.index("## Toy: a test experiment") < md.index("## Hand: measured by hand")
+    assert "[Hand](#hand-measured-by-hand)" in md and "| a | b |" in md
+    assert report.render(out, tmp_path / "RESULTS.md").read_text() == md  # regenerated: kept
+    (out / "bad.section.md").write_text("no heading\n")
+    with pytest.raises(runner.ExperimentError, match="bad.section.md.*'## Title'"):
+        report.render(out, tmp_path / "RESULTS.md")
+
+
 def test_cli_refuses_an_unknown_experiment(capsys):
     from experiments import run
 

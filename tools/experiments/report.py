@@ -10,6 +10,11 @@ exact `hpc-tba` command of each arm; then the hand-written discussion
 `<!-- results: ID -->`, the `results_id` of the numbers it was written against; when the numbers
 have changed since, the report says so above it instead of silently pairing old prose with new
 numbers.
+
+A result measured by hand rather than by an experiment definition lives in
+`<results>/<name>.section.md`, a Markdown section that opens with its `## Title` line; each one
+is copied after the generated experiments, in name order, and listed in the contents, so
+regenerating the file never drops it.
 """
 from __future__ import annotations
 
@@ -40,6 +45,21 @@ def load_results(results_dir: Path, order: Sequence[str] = ()) -> list[dict]:
             docs.append(data)
     rank = {n: i for i, n in enumerate(order)}
     return sorted(docs, key=lambda d: (rank.get(d["experiment"], len(rank)), d["experiment"]))
+
+
+def load_sections(results_dir: Path) -> list[tuple[str, str]]:
+    """The hand-written sections in results_dir: (title, text), by file name.
+
+    Each `<name>.section.md` must open with a `## ` heading (the title the contents links to)."""
+    sections = []
+    for path in sorted(Path(results_dir).glob("*.section.md")):
+        text = path.read_text().strip()
+        first = text.splitlines()[0] if text else ""
+        if not first.startswith("## "):
+            raise ExperimentError(f"{path}: a hand-written section must open with a '## Title' "
+                                  f"line, not {first[:60]!r}")
+        sections.append((first[3:].strip(), text))
+    return sections
 
 
 def mean_std(stat: dict, fmt: str) -> str:
@@ -272,6 +292,7 @@ def render(results_dir: Path = DEFAULT_OUT, out: Path = DEFAULT_REPORT,
     """Write the results document from every experiment JSON in results_dir; returns its path."""
     results_dir, out = Path(results_dir), Path(out)
     docs = load_results(results_dir, order)
+    sections = load_sections(results_dir)
     if not docs:
         raise ExperimentError(f"no experiment results in {results_dir} (run "
                               "tools/experiments/run.py first)")
@@ -287,12 +308,14 @@ def render(results_dir: Path = DEFAULT_OUT, out: Path = DEFAULT_REPORT,
         "`runs/experiments` are reused; `--force` reruns them; on a shared machine prefix "
         "`nice -n 19`). Where a result disagrees with a paper, the discussion says so.",
         "",
-        "Contents: " + " · ".join(f"[{d['title'].split(':')[0]}](#{_anchor(d['title'])})"
-                                  for d in docs),
+        "Contents: " + " · ".join(
+            [f"[{d['title'].split(':')[0]}](#{_anchor(d['title'])})" for d in docs]
+            + [f"[{title.split(':')[0]}](#{_anchor(title)})" for title, _ in sections]),
         "",
     ]
     for d in docs:
         lines.append(render_experiment(d, results_dir, out.parent))
+    lines += [text + "\n" for _, text in sections]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines).rstrip() + "\n")
     return out
