@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from experiments import offline, report, runner
+from experiments import aggregate, offline, report, runner
 from experiments.runner import Arm, Column, Experiment, Plot, Prepared
 
 from hpc_tba.tasks.offline import effective_positive_fraction
@@ -94,16 +94,16 @@ def _experiment(**kw) -> Experiment:
 
 
 def test_summarize_is_mean_and_sample_std():
-    s = runner.summarize([1.0, 2.0, 3.0, 6.0])
+    s = aggregate.summarize([1.0, 2.0, 3.0, 6.0])
     assert s["mean"] == 3.0 and s["n"] == 4 and (s["min"], s["max"]) == (1.0, 6.0)
     assert math.isclose(s["std"], math.sqrt(14 / 3))  # ddof 1
-    assert runner.summarize([0.7])["std"] == 0.0
+    assert aggregate.summarize([0.7])["std"] == 0.0
     with pytest.raises(ValueError):
-        runner.summarize([])
+        aggregate.summarize([])
 
 
 def test_aggregate_curve_keeps_steps_every_seed_logged():
-    c = runner.aggregate_curve([[[1, 1.0], [2, 2.0], [3, 3.0]], [[1, 3.0], [3, 5.0]]])
+    c = aggregate.aggregate_curve([[[1, 1.0], [2, 2.0], [3, 3.0]], [[1, 3.0], [3, 5.0]]])
     assert c == {"step": [1, 3], "mean": [2.0, 4.0], "std": [math.sqrt(2), math.sqrt(2)], "n": 2}
 
 
@@ -113,7 +113,7 @@ def test_collect_run_reads_summary_curves_and_eval(tmp_path):
     fake(("hpc-tba", "train", f"run_dir={run_dir}", "learner.seed=1"), tmp_path / "t.log")
     fake(("hpc-tba", "eval", "--model", str(run_dir / "final_model"), "--out", str(run_dir / "eval")),
          tmp_path / "e.log")
-    metrics, curves = runner.collect_run(run_dir, ["topr/pos_frac", "absent/key"])
+    metrics, curves = aggregate.collect_run(run_dir, ["topr/pos_frac", "absent/key"])
     # online: pass@1 per policy version from summary.json; wall clock from the learner's metrics
     assert curves["test/pass@1"] == [[0, 0.5], [2, 0.55], [3, 0.61]]
     assert curves["time/elapsed_s"] == [[1, 3.0], [2, 5.0], [3, 7.0]]
