@@ -1,7 +1,8 @@
 """Atomic learner checkpoints, resume, and export of the policy to a Hugging Face directory.
 
 Export (`export_hf`): layer by layer into sharded safetensors, never more than one layer
-gathered on any rank (at 70B the whole-model gather the export used to do is 140 GB per rank).
+gathered on any rank (at 70B the whole-model gather the export used to do is 140 GB per rank);
+ZeRO-3 partitions and learner TP slices alike (roles.tensor_parallel.gathered).
 
 Layout under `<run_dir>/checkpoints/`:
 
@@ -220,7 +221,9 @@ def layer_groups(module: torch.nn.Module) -> list[tuple[str, list[tuple[str, tor
 
 
 def _nbytes(p: torch.nn.Parameter) -> int:
-    return math.prod(getattr(p, "ds_shape", p.shape)) * p.element_size()
+    from hpc_tba.roles.tensor_parallel import full_shape
+
+    return math.prod(full_shape(p)) * p.element_size()
 
 
 def _shards(groups, shard_bytes: int) -> list[list[int]]:
@@ -246,10 +249,13 @@ def export_hf(engine, out_dir: str, *, tokenizer_src: str | None, learner_rank: 
     host memory and writes a file once it holds `shard_bytes` (host memory: one file plus one
     layer). Files `model-0000i-of-0000n.safetensors` and `model.safetensors.index.json`, as
     transformers' `save_pretrained` writes them, so `from_pretrained` and vLLM load the result.
-    `engine` is a DeepSpeed engine or a plain module (then the gathers are no-ops).
+    `engine` is a DeepSpeed engine or a plain module (then the gathers are no-ops). Under learner
+    tensor parallelism each layer's TP slices are gathered too, by every TP rank together
+    (roles.tensor_parallel.gathered), so the files hold whole tensors.
     """
-    import deepspeed
     from safetensors.torch import save_file
+
+    from hpc_tba.roles.tensor_parallel import gathered
 
     module = getattr(engine, "module", engine)
     groups = layer_groups(module)
@@ -264,7 +270,7 @@ def export_hf(engine, out_dir: str, *, tokenizer_src: str | None, learner_rank: 
         tensors: dict[str, torch.Tensor] = {}
         for g in members:
             params = groups[g][1]
-            with deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=None):
+            with gathered([p for _, p in params]):
                 if main:
                     tensors.update((n, p.detach().to("cpu", copy=True).contiguous()) for n, p in params)
         if main:

@@ -92,14 +92,20 @@ class ModelSpec:
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
-    def layer_activation_bytes_per_token(self, dtype_bytes: int) -> dict[str, int]:
-        """What one decoder layer keeps for its backward, per token (module docstring)."""
+    def layer_activation_bytes_per_token(self, dtype_bytes: int, tp: int = 1) -> dict[str, int]:
+        """What one decoder layer keeps for its backward, per token (module docstring). `tp`
+        (learner tensor parallelism): the heads' and the MLP's intermediate tensors are split
+        over tp ranks; the norms' full-width tensors are not."""
         a, h, i = dtype_bytes, self.hidden_size, self.intermediate_size
         q, kv = self.q_dim, self.kv_dim
         norm = (4 * h if a < 4 else 0) + 2 * a * h  # the fp32 copy is the input itself in fp32
-        attention = norm + a * (q + 2 * kv) + a * (q + kv) + 2 * a * q + 4 * self.num_heads
-        mlp = norm + 4 * a * i
+        attention = norm + -(-(a * (q + 2 * kv) + a * (q + kv) + 2 * a * q + 4 * self.num_heads) // tp)
+        mlp = norm + -(-4 * a * i // tp)
         return {"attention": attention, "mlp": mlp}
+
+    def split_layer_params(self, tp: int) -> int:
+        """One decoder layer's parameters on one TP rank: the projections / tp, the norms whole."""
+        return -(-(self.layer_params - 2 * self.hidden_size) // tp) + 2 * self.hidden_size
 
 
 # Planner-only specs, keyed by a name the model path's directory name contains.
@@ -143,8 +149,8 @@ class ActivationMemory:
 
 
 def activation_bytes(spec: ModelSpec, *, tokens: int, dtype_bytes: int,
-                     checkpointing: bool) -> ActivationMemory:
-    per_layer = tokens * sum(spec.layer_activation_bytes_per_token(dtype_bytes).values())
+                     checkpointing: bool, tp: int = 1) -> ActivationMemory:
+    per_layer = tokens * sum(spec.layer_activation_bytes_per_token(dtype_bytes, tp).values())
     head_input = tokens * spec.hidden_size * (dtype_bytes + 4)  # final RMSNorm (fp32 input)
     if checkpointing:
         boundaries = spec.num_layers * tokens * spec.hidden_size * dtype_bytes + head_input

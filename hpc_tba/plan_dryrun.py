@@ -183,3 +183,28 @@ def dry_run(plan: Plan, cfg: RunConfig, spec: ModelSpec) -> None:
                               f"exactly ({model.config._attn_implementation} attention)")
         except ValueError as e:
             plan.problems.append(f"dry run: {e}")
+    if cfg.learner.tensor_parallel_size > 1:
+        _tensor_parallel(plan, cfg, spec, model)
+
+
+def _tensor_parallel(plan: Plan, cfg: RunConfig, spec: ModelSpec, model) -> None:
+    """The learner's AutoTP refusal (roles.tensor_parallel.check_model) and its split patterns
+    on the meta model: one TP rank's share of the largest decoder layer against the plan's."""
+    import re
+
+    from hpc_tba import checkpoint
+    from hpc_tba.roles import tensor_parallel
+
+    tp = cfg.learner.tensor_parallel_size
+    try:
+        tensor_parallel.check_model(model, tp)
+    except ValueError as e:
+        plan.problems.append(f"dry run: {e}")
+        return
+    split = tensor_parallel.COLUMN + tensor_parallel.ROW
+    layers = [ps for name, ps in checkpoint.layer_groups(model) if name.split(".")[-1].isdigit()]
+    per_rank = max(sum(p.numel() // tp if any(re.match(r, n) for r in split) else p.numel() for n, p in ps)
+                   for ps in layers)
+    _check(plan, f"decoder layer on one TP rank (TP {tp})", spec.split_layer_params(tp), per_rank)
+    plan.lines.append(f"    tensor parallel {tp}: q/k/v/o and gate/up/down split, heads exact, "
+                      "embeddings, norms and head replicated")

@@ -21,8 +21,12 @@ Learner, per rank, ZeRO-3 over N learner ranks (P parameters, bytes per paramete
   counts. Sequence parallelism (`learner.sequence_parallel_size` = SP, hpc_tba.roles.parallel)
   gives each rank ceil(max_model_len / SP) positions of every sequence: the activation and logit
   rows count those (the all-to-all buffers are one layer's q, k, v and output, inside the
-  per-layer figure's order of magnitude). Learner rank 0 also holds the weight sender's two
-  slots of the largest bucket. Usable: 90% of the GPU (CUDA context, NCCL buffers, fragmentation).
+  per-layer figure's order of magnitude). Tensor parallelism (`learner.tensor_parallel_size` =
+  TP, hpc_tba.roles.tensor_parallel) divides the split layers: the gathered layers' projections
+  and the heads' and MLP's activations are / TP (hpc_tba.plan_learner states what is not).
+  A refusal for one sequence's activations names the smallest SP and the smallest TP that fit.
+  Learner rank 0 also holds the weight sender's two slots of the largest bucket. Usable: 90% of
+  the GPU (CUDA context, NCCL buffers, fragmentation). The learner's rows: hpc_tba.plan_learner.
 Engine, per GPU: weights P x bytes / TP, a fixed runtime overhead, and the KV cache in what is
   left of gpu_memory_utilization x GPU; 2 x layers x kv_heads x head_dim x bytes per token / TP.
   Refused when the weights do not fit or the cache cannot hold one max_model_len sequence (vLLM
@@ -41,35 +45,30 @@ code on it (hpc_tba.plan_dryrun), checking the plan's shapes and sizes against t
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import io
 import json
-import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hpc_tba.losses.registry import needs
 from hpc_tba.memory import (
     DTYPE_BYTES,
     HOP_CHUNK_BYTES,
     KNOWN_MODELS,
     ModelSpec,
     Plan,
-    activation_bytes,
     bucket_sizes,
-    logit_bytes,
     spec_from_hf_config,
     staging_bytes,
 )
 from hpc_tba.plan_checkpoint import checkpoint_rows, grace_refusal
+from hpc_tba.plan_learner import learner_rows, micro_batch_of
 
 if TYPE_CHECKING:
     from hpc_tba.config import RunConfig
 
 __all__ = ["KNOWN_MODELS", "ModelSpec", "Plan", "PlanOptions", "check_grace", "format_plan",
-           "make_plan", "model_spec", "plan_main"]
+           "make_plan", "micro_batch_of", "model_spec", "plan_main"]
 
 GiB = 2**30
 USABLE_FRACTION = 0.9
@@ -119,175 +118,6 @@ class PlanOptions:
     """Print DeepSpeed's own ZeRO-3 estimate next to ours."""
     dry_run: bool = False
     """Build the model on the meta device and check the plan against the roles' own code."""
-
-
-def micro_batch_of(cfg: RunConfig) -> int:
-    """Sequences in one learner micro-batch: learner.micro_batch_size, 0 = K, at most G x K."""
-    lr, k = cfg.learner, cfg.searcher.k
-    return min(lr.micro_batch_size or k, lr.prompts_per_step * k)
-
-
-def _model_states(plan: Plan, cfg: RunConfig, spec: ModelSpec, n: int) -> float:
-    lr = cfg.learner
-    pb, ob, p = DTYPE_BYTES[lr.dtype], 12 if lr.dtype == "bf16" else 8, spec.params
-    host = "(host memory)"
-    total = plan.row("parameters (sharded)", pb * p / n * (not lr.offload_params),
-                     host if lr.offload_params else "", key="params")
-    gb = DTYPE_BYTES[_deepspeed(cfg)["data_types"]["grad_accum_dtype"]]  # ZeRO-3's partition buffer
-    total += plan.row("gradients (sharded)", gb * p / n,
-                      "fp32 accumulation" if gb != pb else "", key="grads")
-    total += plan.row("optimizer states (sharded)", ob * p / n * (not lr.offload_optimizer),
-                      host if lr.offload_optimizer else "", key="optimizer")
-    plan.model_states_gib = total / GiB
-    if needs(cfg.algo).reference:
-        total += plan.row(f"frozen reference for {cfg.algo.name} (sharded)",
-                          pb * p / n * (not lr.offload_params), key="reference")
-    else:
-        plan.terms["reference"] = 0
-    total += plan.row("gathered layers (live + prefetch + grad)", 3 * spec.largest_layer_params * pb,
-                      key="gathered")
-    # ZeRO-3 with contiguous gradients allocates one flat reduce bucket at initialize
-    bucket = min(_zero_option(cfg, "reduce_bucket_size", 500_000_000), p)
-    return total + plan.row("ZeRO-3 gradient reduce bucket", bucket * pb,
-                            f"{bucket:.3g} elements (zero_optimization.reduce_bucket_size)", key="reduce_bucket")
-
-
-def _zero_option(cfg: RunConfig, name: str, default: int) -> int:
-    """A zero_optimization setting of the learner's own DeepSpeed config, else DeepSpeed's default."""
-    return int(_deepspeed(cfg)["zero_optimization"].get(name, default))
-
-
-def _deepspeed(cfg: RunConfig) -> dict:
-    """The learner's own DeepSpeed config for this run."""
-    from hpc_tba.roles.learner import deepspeed_config
-
-    return deepspeed_config(cfg.learner, micro_batch=micro_batch_of(cfg), train=True)
-
-
-def _activations(plan: Plan, cfg: RunConfig, spec: ModelSpec) -> float:
-    lr, s = cfg.learner, cfg.searcher
-    a = DTYPE_BYTES[lr.dtype]
-    b = plan.micro_batch = micro_batch_of(cfg)
-    sp = lr.sequence_parallel_size
-    seq = -(-s.max_model_len // sp)  # this rank's positions of one sequence (roles.parallel)
-    tokens = plan.micro_batch_tokens = b * seq
-    act = activation_bytes(spec, tokens=tokens, dtype_bytes=a, checkpointing=lr.gradient_checkpointing)
-    src = "learner.micro_batch_size" if lr.micro_batch_size else "K (micro_batch_size 0)"
-    rows = f"{spec.num_layers} layers x {b} x {seq} tokens ({src}" + (
-        f"; {s.max_model_len} / SP {sp})" if sp > 1 else ")")
-    if lr.gradient_checkpointing:
-        total = plan.row("activations: layer inputs (checkpointing)", act.boundaries, rows)
-        total += plan.row("activations: one layer recomputed", act.live_layers)
-    else:
-        total = plan.row("activations: every layer (no checkpointing)", act.live_layers, rows)
-    plan.terms["activations"] = total
-    plan.terms["activations_sp1"] = total * sp  # linear in tokens: what one rank would hold alone
-    chunk = min(lr.logprob_chunk_tokens, b * -(-s.max_new_tokens // sp))
-    return total + plan.row("logits: one chunk (+ fp32 log-softmax, grad)",
-                            logit_bytes(spec, chunk_tokens=chunk, dtype_bytes=a),
-                            f"{chunk} positions x vocab {spec.vocab_size}", key="logits")
-
-
-def _learner(plan: Plan, cfg: RunConfig, spec: ModelSpec, opt: PlanOptions, gpus: int,
-             capacity: float) -> None:
-    c, lr = cfg.cluster, cfg.learner
-    n = max(cfg.cluster.num_learners, 1)
-    where = "GPUs" if gpus else "CPU ranks"
-    sp = f", sequence parallel {lr.sequence_parallel_size}" if lr.sequence_parallel_size > 1 else ""
-    plan.lines.append(f"  learner, per rank (ZeRO-{lr.zero_stage} over {n} {where}{sp}, {lr.dtype}, "
-                      f"checkpointing={lr.gradient_checkpointing}, offload optimizer="
-                      f"{lr.offload_optimizer} params={lr.offload_params}):")
-    total = _model_states(plan, cfg, spec, n) + _activations(plan, cfg, spec)
-    # learner rank 0 gathers into two flat slots of the largest bucket (WeightSender)
-    total += plan.row("weight-sync send slots (rank 0)", 2 * max(plan.buckets) * (c.num_searchers > 0),
-                      f"2 x the largest bucket (learner.sync_bucket_mb {lr.sync_bucket_mb:g})", key="send_slots")
-    plan.learner_gib = total / GiB
-    if gpus:
-        plan.lines.append(f"    {'total':<44} {total / GiB:9.2f} GiB  of {capacity / GiB:.2f} "
-                          f"usable ({USABLE_FRACTION:.0%} of {c.gpu_memory_gb:g} GB)")
-        if total > capacity:
-            plan.problems.append(_learner_refusal(plan, cfg, spec, total, capacity))
-    pb, ob = DTYPE_BYTES[lr.dtype], 12 if lr.dtype == "bf16" else 8
-    per_rank = (ob * lr.offload_optimizer + 2 * pb * lr.offload_params) * spec.params / n
-    if per_rank and c.cpu_memory_gb:
-        host = per_rank * max(gpus, 1)
-        plan.lines.append(f"    host memory per node for offload: {host / GiB:.1f} GiB of "
-                          f"{c.cpu_memory_gb * 1e9 / GiB:.1f}")
-        if host > c.cpu_memory_gb * 1e9 * USABLE_FRACTION:
-            plan.problems.append("offloaded optimizer states do not fit in host memory per node")
-    _compare_deepspeed(plan, spec, opt, gpus, cfg)
-
-
-def _learner_refusal(plan: Plan, cfg: RunConfig, spec: ModelSpec, total: float, capacity: float) -> str:
-    """The reason a learner layout does not fit: the largest term and what would shrink it."""
-    lr, t = cfg.learner, plan.terms
-    head = f"learner needs {total / GiB:.1f} GiB per GPU but {capacity / GiB:.1f} GiB are usable"
-    states = t["params"] + t["grads"] + t["optimizer"] + t["reference"]
-    if t["activations"] >= states:
-        smaller = " or lower learner.micro_batch_size" if plan.micro_batch > 1 else ""
-        if not lr.gradient_checkpointing:
-            return (f"{head}: activations without gradient checkpointing take "
-                    f"{t['activations'] / GiB:.1f} GiB (every layer of {plan.micro_batch_tokens} "
-                    f"tokens): set learner.gradient_checkpointing=true{smaller}")
-        what = f"{head}: activations of a {plan.micro_batch}-sequence micro-batch take {t['activations'] / GiB:.1f} GiB"
-        if plan.micro_batch > 1:
-            return f"{what}: lower learner.micro_batch_size"
-        return f"{what}: {_sequence_lever(cfg, plan, spec, total, capacity)}"
-    return (f"{head}: model states take {states / GiB:.1f} GiB: add learner nodes, or offload "
-            f"(learner.offload_optimizer=true, learner.offload_params=true)")
-
-
-def _sequence_lever(cfg: RunConfig, plan: Plan, spec: ModelSpec, total: float, capacity: float) -> str:
-    """The next lever for one sequence's activations (the micro-batch is already 1): the
-    smallest sequence-parallel size that fits (it must divide the GPUs per node and the
-    model's heads), else what is left."""
-    lr, gpus, t = cfg.learner, cfg.cluster.gpus_per_node, plan.terms
-    rest = total - t["activations"]
-    for sp in range(lr.sequence_parallel_size + 1, max(gpus, 1) + 1):
-        if gpus % sp or spec.num_heads % sp or spec.num_kv_heads % sp or cfg.cluster.num_learners % sp:
-            continue
-        if rest + t["activations_sp1"] / sp <= capacity:
-            return (f"set learner.sequence_parallel_size={sp} (Ulysses: each of {sp} ranks holds "
-                    f"1/{sp} of every sequence's activations)")
-    return ("sequence parallelism within a node cannot split it enough (learner.sequence_parallel_size "
-            f"is at most the {gpus} GPUs per node and must divide the model's heads); learner tensor "
-            "parallelism is not implemented yet: shorten searcher.max_model_len")
-
-
-def _compare_deepspeed(plan: Plan, spec: ModelSpec, opt: PlanOptions, gpus: int,
-                       cfg: RunConfig) -> None:
-    """Print DeepSpeed's own ZeRO-3 model-state estimate next to ours."""
-    if not opt.deepspeed:
-        return
-    try:
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            from deepspeed.runtime.zero.stage3 import (
-                estimate_zero3_model_states_mem_needs,
-                estimate_zero3_model_states_mem_needs_all_cold,
-            )
-    except Exception as e:  # noqa: BLE001 - the comparison is optional, the plan is not
-        plan.lines.append(f"  DeepSpeed estimator unavailable: {type(e).__name__}: {e}")
-        return
-    per_node = gpus or 1
-    nodes = max(cfg.cluster.num_learners // per_node, 1)
-    _, ds_gpu, _ = estimate_zero3_model_states_mem_needs(
-        total_params=spec.params, largest_layer_params=spec.largest_layer_params,
-        num_gpus_per_node=per_node, num_nodes=nodes, cpu_offload=cfg.learner.offload_optimizer,
-        cpu_offload_params=cfg.learner.offload_params, zero_init=True)
-    plan.deepspeed_gib = ds_gpu / GiB
-    ours = plan.model_states_gib + 4 * spec.largest_layer_params / GiB
-    plan.lines.append(
-        f"  ZeRO-3 model states per GPU: hpc_tba {ours:.2f} GiB (params+grads+optimizer, "
-        f"+ 4 B x largest layer) vs DeepSpeed {plan.deepspeed_gib:.2f} GiB "
-        f"(estimate_zero3_model_states_mem_needs, 18 B/param)")
-    table = io.StringIO()
-    with contextlib.redirect_stdout(table):
-        estimate_zero3_model_states_mem_needs_all_cold(
-            spec.params, spec.largest_layer_params, num_gpus_per_node=per_node, num_nodes=nodes)
-    plan.lines += ["  DeepSpeed estimate_zero3_model_states_mem_needs_all_cold:"]
-    plan.lines += [f"    {ln}".replace("OffloadDeviceEnum.", "")
-                   for ln in table.getvalue().rstrip().splitlines()]
 
 
 def _engine(plan: Plan, cfg: RunConfig, spec: ModelSpec, gpus: int) -> None:
@@ -430,7 +260,7 @@ def make_plan(cfg: RunConfig, opt: PlanOptions = PlanOptions()) -> Plan:
     capacity = c.gpu_memory_gb * 1e9 * USABLE_FRACTION
     plan.buckets = bucket_sizes(spec, bucket_bytes=int(cfg.learner.sync_bucket_mb * 2**20),
                                 wire_bytes=DTYPE_BYTES[_wire(cfg)])
-    _learner(plan, cfg, spec, opt, gpus, capacity)
+    learner_rows(plan, cfg, spec, gpus, capacity, usable=USABLE_FRACTION, deepspeed=opt.deepspeed)
     if c.num_searchers:
         _engine(plan, cfg, spec, gpus)
         _staging(plan, cfg, spec, gpus)

@@ -3,7 +3,7 @@ gradient clipping on) with learner.sequence_parallel_size=2 on 2 gloo ranks give
 GRPO and A-LoL, the same log-probs, loss, gradients and post-step weights as one rank (1e-5).
 The batch has sequences whose lengths do not divide by 2, groups whose sequences differ in
 length, and micro-batches that split groups (TB's context pass). Plus the layout (DP rank, shard
-owners) and the refusals by name (tensor parallelism, SP with TP, SP not dividing the heads).
+owners) and the refusals by name (SP with TP, SP not dividing the heads); TP: test_tensor_parallel.py.
 """
 from __future__ import annotations
 
@@ -136,11 +136,9 @@ def test_layout_follows_the_data_parallel_rank():
         Topology.build(6, 4, 2, num_nodes=3, slots_per_node=2, sp_size=4)
 
 
-def test_tensor_parallel_is_refused_by_name():
+def test_tensor_parallel_with_sp_is_refused_by_name():
     from hpc_tba.config import LearnerConfig
 
-    with pytest.raises(ValueError, match="tensor_parallel_size=2: learner tensor parallelism.*not implemented yet"):
-        LearnerConfig(tensor_parallel_size=2)
     with pytest.raises(ValueError, match="tensor_parallel_size=2 with learner.sequence_parallel_size=2.*do not "):
         LearnerConfig(tensor_parallel_size=2, sequence_parallel_size=2)
     with pytest.raises(ValueError, match="sequence_parallel_size and learner.tensor_parallel_size must be >= 1"):

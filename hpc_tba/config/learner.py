@@ -79,7 +79,11 @@ class LearnerConfig:
     (attention by all-to-all, hpc_tba/roles/parallel.py); must divide cluster.num_learners and
     the model's attention and key/value heads. Activation memory per rank ~1/SP."""
     tensor_parallel_size: int = 1
-    """DeepSpeed AutoTP inside a node: not implemented yet, only 1 is accepted."""
+    """DeepSpeed AutoTP inside a node (hpc_tba/roles/tensor_parallel.py): TP consecutive learner
+    ranks split every attention and MLP projection (column-parallel q/k/v/gate/up, row-parallel
+    o/down); embeddings, norms and the output head stay replicated. Must divide
+    cluster.num_learners, the GPUs per node and the model's attention and key/value heads; not
+    with sequence_parallel_size > 1. Split layers' parameters and activations per rank ~1/TP."""
 
     def __post_init__(self) -> None:
         if self.total_steps < 1 or self.prompts_per_step < 1:
@@ -114,10 +118,10 @@ class LearnerConfig:
                              f"learner.sequence_parallel_size={self.sequence_parallel_size}: tensor "
                              "and sequence parallelism do not combine in one DeepSpeed engine (AutoTP "
                              "replaces the engine's process groups); choose one")
-        if self.tensor_parallel_size > 1:
-            raise ValueError(f"learner.tensor_parallel_size={self.tensor_parallel_size}: learner tensor "
-                             "parallelism (DeepSpeed AutoTP) is not implemented yet; use "
-                             "learner.sequence_parallel_size for long sequences")
+        if self.tensor_parallel_size > 1 and self.zero_stage != 3:
+            raise ValueError(f"learner.tensor_parallel_size={self.tensor_parallel_size} needs "
+                             f"learner.zero_stage=3 (got {self.zero_stage}): the learner's AutoTP path "
+                             "(shards gathered for sync and export) is built and tested under ZeRO-3")
 
 
 def resolve_wire_dtype(learner: LearnerConfig, searcher: SearcherConfig) -> str:

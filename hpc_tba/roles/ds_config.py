@@ -21,7 +21,9 @@ def deepspeed_config(cfg: LearnerConfig, *, micro_batch: int, train: bool) -> di
     across micro-batches (fp32, also for bf16 runs) and of the gradient reduction, and how
     gradients are averaged over ranks. Options that only move memory or time (buckets, overlap,
     prefetch) keep DeepSpeed's values, except the persistence threshold, which is a config field.
-    tests/test_settings.py builds engines and reads the values back.
+    learner.tensor_parallel_size > 1 adds the AutoTP section with our own split
+    (roles.tensor_parallel.ds_section). tests/test_settings.py and tests/test_tensor_parallel.py
+    build engines and read the values back.
     """
     bf16 = cfg.dtype == "bf16"
     if bf16 and cfg.zero_stage == 0:
@@ -65,6 +67,10 @@ def deepspeed_config(cfg: LearnerConfig, *, micro_batch: int, train: bool) -> di
     if cfg.offload_optimizer and cfg.zero_stage == 0:
         raise ValueError("learner.offload_optimizer needs learner.zero_stage 1-3 (got 0): DeepSpeed "
                          "offloads only ZeRO-partitioned optimizer states")
+    if cfg.tensor_parallel_size > 1:  # AutoTP (roles.tensor_parallel); 1: no section, AutoTP off
+        from hpc_tba.roles.tensor_parallel import ds_section
+
+        ds["tensor_parallel"] = ds_section(cfg.tensor_parallel_size)
     if cfg.offload_params:
         ds["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
     if cfg.offload_optimizer and train:

@@ -33,12 +33,15 @@ from hpc_tba.comm.weight_sync import FLAG_EVAL, GROUP_TIMEOUT_S, Manifest, Weigh
 from hpc_tba.config import AlgoConfig, LearnerConfig
 from hpc_tba.losses import LossInputs, loss_units, needs
 from hpc_tba.messages import Done, EvalReport, ProbeReport, SampledBatch, Stop, TrajectoryBatch
-from hpc_tba.roles import microbatch, parallel
+from hpc_tba.roles import microbatch, parallel, tensor_parallel
 from hpc_tba.roles.ds_config import deepspeed_config
+from hpc_tba.roles.engines import build_engines
 from hpc_tba.roles.fresh import FreshRewards
 from hpc_tba.roles.logging import RunLogger, Timers
 from hpc_tba.roles.policy import PackedBatch, pack, pad_per_token, response_logprobs
 from hpc_tba.topology import Topology
+
+__all__ = ["Learner", "deepspeed_config", "role_device"]  # deepspeed_config: its old home, still imported
 
 POLL_S = 0.02
 
@@ -74,13 +77,21 @@ class Learner:
         self.micro = cfg.micro_batch_size or k
         self.sp = parallel.build(cfg.sequence_parallel_size, topo.num_learners, self.lrank,
                                  timeout_s=GROUP_TIMEOUT_S)  # before the models: they use its group
-        self.engine, self.ref, self.pad_id = self._build_models(model_path)
+        self.tp = tensor_parallel.build(cfg.tensor_parallel_size, topo.num_learners, self.lrank,
+                                        timeout_s=GROUP_TIMEOUT_S)
+        self.peers = self.tp if self.tp.enabled else self.sp  # the replica's ranks: one batch, lockstep
+        # ranks DeepSpeed averages gradients over, as the loss sees them (roles.tensor_parallel)
+        self.grad_ranks = tensor_parallel.grad_ranks(topo.num_learners, self.tp.size)
+        self.engine, self.ref, self.pad_id = build_engines(
+            cfg, loss, model_path, micro=self.micro, lrank=self.lrank, sp=self.sp, tp=self.tp,
+            resume_from=resume_from)
         self.device = role_device(self.engine)
         self.config_yaml = ""
-        self.manifest = Manifest.build(
-            [(n, tuple(getattr(p, "ds_shape", p.shape))) for n, p in self.engine.module.named_parameters()],
+        self.manifest = Manifest.build(  # whole shapes: a TP learner sends what a TP=1 one does
+            [(n, tensor_parallel.full_shape(p)) for n, p in self.engine.module.named_parameters()],
             bucket_bytes=int(cfg.sync_bucket_mb * 2**20), wire_dtype=cfg.sync_wire_dtype)
-        self.sender = WeightSender(self.engine.module, self.manifest, sync_group, device=self.device)
+        sender = tensor_parallel.TPWeightSender if self.tp.enabled else WeightSender
+        self.sender = sender(self.engine.module, self.manifest, sync_group, device=self.device)
         self.log = RunLogger(run_dir, "learner", enabled=self.is_main, total=cfg.total_steps)
         self.received: dict[int, int] = {}  # searcher rank -> trajectories received
         self.done: dict[int, int] = {}  # searcher rank -> trajectories it says it sent here
@@ -95,42 +106,6 @@ class Learner:
         self.on_policy: list[TrajectoryBatch] = []  # mode=sync: batches of the current version
         self.timers = Timers()
         self.version_time: dict[int, float] = {}  # version -> seconds into training it was sent
-
-    # ------------------------------------------------------------------ build
-    def _build_models(self, model_path: str):
-        import deepspeed
-        from transformers import AutoTokenizer
-
-        from hpc_tba.models.loading import check_dtype, load_causal_lm
-
-        dtype = torch.bfloat16 if self.cfg.dtype == "bf16" else torch.float32
-        micro = self.micro
-        ds_train = deepspeed_config(self.cfg, micro_batch=micro, train=True)
-        zero3 = ds_train if self.cfg.zero_stage == 3 else None
-        # a resume overwrites every policy tensor: under ZeRO-3 it reads no base weights for it
-        policy = load_causal_lm(model_path, dtype=dtype, zero3_config=zero3, rank=self.lrank,
-                                weights=self.resume_from is None)
-        parallel.enable(policy, self.sp)  # Ulysses attention when learner.sequence_parallel_size > 1
-        if self.cfg.gradient_checkpointing:  # non-reentrant: the variant that works under ZeRO-3
-            policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        policy.train()
-        opt = torch.optim.AdamW(policy.parameters(), lr=self.cfg.lr, weight_decay=0.0)
-        warmup = max(1, self.cfg.warmup_steps)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
-        engine, _, _, _ = deepspeed.initialize(
-            model=policy, optimizer=opt, lr_scheduler=sched,
-            config=ds_train)
-        check_dtype(engine.module, dtype, where=f"learner.dtype={self.cfg.dtype}: the policy")
-        ref = None
-        if needs(self.loss_cfg).reference:
-            ref_model = load_causal_lm(model_path, dtype=dtype, zero3_config=zero3, rank=self.lrank).eval()
-            ref_model.requires_grad_(False)
-            parallel.enable(ref_model, self.sp)
-            ref, *_ = deepspeed.initialize(
-                model=ref_model, config=deepspeed_config(self.cfg, micro_batch=micro, train=False))
-            check_dtype(ref.module, dtype, where=f"learner.dtype={self.cfg.dtype}: the reference model")
-        pad = AutoTokenizer.from_pretrained(model_path).pad_token_id
-        return engine, ref, 0 if pad is None else pad
 
     # ------------------------------------------------------------------ loop
     def run(self) -> dict:
@@ -222,12 +197,12 @@ class Learner:
     def wait_for_warm_start(self) -> None:
         """Fill every shard to the warm-start threshold before the first step (ALGORITHMS.md §1)."""
         t0 = time.time()
-        if self.topo.num_searchers == 0 and self.sp.is_leader and not self.shard.ready():
+        if self.topo.num_searchers == 0 and self.peers.is_leader and not self.shard.ready():
             raise RuntimeError(f"offline data gave shard {self.lrank} only {len(self.shard)} "
                                f"responses, below buffer.warm_start={self.shard.cfg.warm_start}")
         while True:
             self.receive()
-            ready = self._reduce({"ready": float(self.shard.ready() or not self.sp.is_leader)}, op="min")["ready"]
+            ready = self._reduce({"ready": float(self.shard.ready() or not self.peers.is_leader)}, op="min")["ready"]
             if ready:
                 break
             time.sleep(POLL_S)
@@ -257,16 +232,16 @@ class Learner:
     def wait_on_policy(self) -> SampledBatch | None:
         """mode=sync: wait until every shard holds G prompts generated by the current weights;
         return this shard's G prompts, K responses each, exactly as generated (None on an SP
-        follower: its leader shares the batch in train_step)."""
+        follower: its leader shares the batch in train_step; the same for a TP follower)."""
         g = self.cfg.prompts_per_step
         while True:
             self.receive()
-            ready = len(self.on_policy) >= g or not self.sp.is_leader
+            ready = len(self.on_policy) >= g or not self.peers.is_leader
             if self._reduce({"ready": float(ready)}, op="min")["ready"]:
                 break
             time.sleep(POLL_S)
         batches, self.on_policy = self.on_policy[:g], []
-        return SampledBatch.from_trajectories(batches, self.k) if self.sp.is_leader else None
+        return SampledBatch.from_trajectories(batches, self.k) if self.peers.is_leader else None
 
     def _reduce(self, metrics: dict[str, float], **kw) -> dict[str, float]:
         """reduce_metrics over the learners, the tensor on this rank's device."""
@@ -282,9 +257,9 @@ class Learner:
         """
         t0 = time.time()
         dev = self.device
-        if batch is None and self.sp.is_leader:
+        if batch is None and self.peers.is_leader:
             batch = self.shard.sample(self.cfg.prompts_per_step, self.k, learner_version=self.step)
-        batch = self.sp.share_batch(batch, dev)  # SP peers train on their leader's batch
+        batch = self.peers.share_batch(batch, dev)  # SP/TP peers train on their leader's batch
         packed = pack(batch.prompt_tokens, batch.response_tokens, pad_id=self.pad_id, device=dev)
         lengths = np.array([len(p) + len(r) for p, r in zip(batch.prompt_tokens, batch.response_tokens)])
         plan = microbatch.agree(microbatch.plan(lengths, batch.group_ids, self.micro),
@@ -298,14 +273,15 @@ class Learner:
             logp_behavior=pad_per_token(batch.logp_behavior, packed.response_ids),
             mask=packed.response_mask, rewards=rewards, group_ids=groups,
             advantages=self._advantages(batch, rewards, groups))
-        # DeepSpeed averages gradients over learner ranks: normaliser = global units / ranks, the
-        # units counted once per data-parallel replica (SP peers share one batch: roles.parallel).
-        units = self.sp.dp_units(self._reduce({"units": float(loss_units(self.loss_cfg, inputs))},
-                                              op="sum")["units"])
+        # DeepSpeed averages gradients over ranks: normaliser = global units / those ranks (all L;
+        # L / TP under TP), the units counted once per data-parallel replica (SP or TP peers share
+        # one batch: roles.parallel, roles.tensor_parallel).
+        units = self.peers.dp_units(self._reduce({"units": float(loss_units(self.loss_cfg, inputs))},
+                                                 op="sum")["units"])
         losses: list[torch.Tensor] = []  # checked once after the last backward: one reduce a step
         loss, lm, logp = microbatch.accumulate(
             self.loss_cfg, inputs, plan, step=self.step,
-            normalizer=max(units, 1.0) / self.topo.num_learners,
+            normalizer=max(units, 1.0) / self.grad_ranks,
             logp_fn=lambda rows: self._logprobs(self.engine, packed.select(rows)),
             backward=self._backward, check=lambda x: losses.append(self._fault(x).detach()) is None)
         if self._skip_if_nonfinite(torch.stack(losses).sum()):  # non-finite somewhere: no update on any rank
@@ -330,7 +306,7 @@ class Learner:
         out["train/lr"] = float(self.engine.get_lr()[0])
         if self.is_main:
             self.log.histogram(self.step, "buffer/staleness", staleness_lags(batch, self.step))
-        return parallel.step_metrics(self.sp, out, dev)
+        return parallel.step_metrics(self.peers, out, dev)
 
     def _logprobs(self, model, packed: PackedBatch) -> torch.Tensor:
         """Chosen-token log-probs of `model` (the policy engine or the reference), chunked."""

@@ -1,4 +1,5 @@
-"""The learner's parallel layouts beyond ZeRO-3 data parallelism: Ulysses sequence parallelism.
+"""The learner's parallel layouts beyond ZeRO-3 data parallelism: Ulysses sequence parallelism,
+and the replica peers it shares with tensor parallelism (hpc_tba.roles.tensor_parallel).
 
 Layout (hpc_tba.topology): the L learner ranks form D = L / SP data-parallel replicas of SP
 consecutive ranks each (SP peers sit on one node). A replica's SP peers hold the same sampled
@@ -44,16 +45,17 @@ _STATE: dict[str, object] = {}  # the process's SP group and the core attention 
 
 
 @dataclasses.dataclass
-class SequenceParallel:
-    """This rank's place in the SP layout and its SP process group."""
+class Peers:
+    """This rank's place among its replica's peers (SP here, TP in roles.tensor_parallel): the
+    consecutive learner ranks that train one batch together, and their process group."""
 
     size: int
     rank: int
-    """Position among the SP peers (0: the replica's leader)."""
+    """Position among the peers (0: the replica's leader)."""
     group: object | None
-    """torch.distributed group of the SP peers (None when size is 1)."""
+    """torch.distributed group of the peers (None when size is 1)."""
     leader: int
-    """Rank, in the learners' default group, of the replica's SP rank 0."""
+    """Rank, in the learners' default group, of the replica's peer rank 0."""
 
     @property
     def enabled(self) -> bool:
@@ -62,6 +64,23 @@ class SequenceParallel:
     @property
     def is_leader(self) -> bool:
         return self.rank == 0
+
+    def dp_units(self, all_rank_units: float) -> float:
+        """Loss units of the whole step, counted once per DP replica (the peers share a batch)."""
+        return all_rank_units / self.size
+
+    def share_batch(self, batch, device: torch.device):
+        """The leader's batch on every peer (the followers pass None)."""
+        if not self.enabled:
+            return batch
+        box = [batch if self.is_leader else None]
+        dist.broadcast_object_list(box, src=self.leader, group=self.group, device=device)
+        return box[0]
+
+
+@dataclasses.dataclass
+class SequenceParallel(Peers):
+    """This rank's place in the SP layout and its SP process group."""
 
     # ---------------------------------------------------------------- positions
     def local_inputs(self, input_ids: torch.Tensor, pad_id: int = 0) -> tuple[dict, int, int]:
@@ -78,18 +97,6 @@ class SequenceParallel:
         """The full [B, T] log-probs from each peer's own positions (zeros elsewhere), on every
         peer; the gradient passes through to this peer's own positions unchanged."""
         return _SumOfParts.apply(local, self.group) if self.enabled else local
-
-    def dp_units(self, all_rank_units: float) -> float:
-        """Loss units of the whole step, counted once per DP replica (SP peers share a batch)."""
-        return all_rank_units / self.size
-
-    def share_batch(self, batch, device: torch.device):
-        """The leader's batch on every SP peer (the followers pass None)."""
-        if not self.enabled:
-            return batch
-        box = [batch if self.is_leader else None]
-        dist.broadcast_object_list(box, src=self.leader, group=self.group, device=device)
-        return box[0]
 
 
 class _SumOfParts(torch.autograd.Function):
@@ -158,22 +165,27 @@ def ulysses_attention(module, query, key, value, attention_mask, **kwargs):
     return _heads_to_seq(out, group, sp), None
 
 
-def build(sp_size: int, num_learners: int, lrank: int, *, timeout_s: float) -> SequenceParallel:
-    """This learner's SP layout; every learner rank calls it (it makes every SP group, in order,
-    with the learners' collective timeout)."""
-    if sp_size < 1 or num_learners % sp_size:
-        raise ValueError(f"learner.sequence_parallel_size={sp_size} must divide the "
-                         f"{num_learners} learner ranks")
-    leader = lrank - lrank % sp_size
-    if sp_size == 1:
-        return SequenceParallel(1, 0, None, leader)
+def peer_groups(size: int, num_learners: int, lrank: int, *, timeout_s: float, field: str) -> Peers:
+    """This learner's peers: groups of `size` consecutive learner ranks (hpc_tba.topology's
+    replicas). Every learner rank calls it: it makes every group, in order, with the learners'
+    collective timeout."""
+    if size < 1 or num_learners % size:
+        raise ValueError(f"learner.{field}={size} must divide the {num_learners} learner ranks")
+    leader = lrank - lrank % size
+    if size == 1:
+        return Peers(1, 0, None, leader)
     mine = None
-    for first in range(0, num_learners, sp_size):
-        g = dist.new_group(list(range(first, first + sp_size)),
-                           timeout=datetime.timedelta(seconds=timeout_s))
+    for first in range(0, num_learners, size):
+        g = dist.new_group(list(range(first, first + size)), timeout=datetime.timedelta(seconds=timeout_s))
         if first == leader:
             mine = g
-    return SequenceParallel(sp_size, lrank - leader, mine, leader)
+    return Peers(size, lrank - leader, mine, leader)
+
+
+def build(sp_size: int, num_learners: int, lrank: int, *, timeout_s: float) -> SequenceParallel:
+    """This learner's SP layout; every learner rank calls it (peer_groups)."""
+    p = peer_groups(sp_size, num_learners, lrank, timeout_s=timeout_s, field="sequence_parallel_size")
+    return SequenceParallel(p.size, p.rank, p.group, p.leader)
 
 
 def check_split(config, size: int) -> None:
@@ -213,12 +225,12 @@ def enable(model, sp: SequenceParallel) -> None:
         c._attn_implementation = ATTENTION
 
 _SHARD_OWNED = ("loss/", "samples/", "buffer/")
-"""Metrics an SP follower does not report: summed ones (its leader reports the replica's share)
-and those of the buffer shard it does not hold."""
+"""Metrics a follower (SP or TP) does not report: summed ones (its leader reports the replica's
+share) and those of the buffer shard it does not hold."""
 
 
-def step_metrics(sp: SequenceParallel, metrics: dict[str, float], device) -> dict[str, float]:
-    """A step's metrics with the same keys on every SP peer: the leader's key set (an empty
+def step_metrics(sp: Peers, metrics: dict[str, float], device) -> dict[str, float]:
+    """A step's metrics with the same keys on every peer: the leader's key set (an empty
     shard reports fewer buffer keys), NaN on a follower where its leader speaks for the replica
     (comm.metrics reduces over the ranks that have a value)."""
     if not sp.enabled:

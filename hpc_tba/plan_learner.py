@@ -1,0 +1,222 @@
+"""The planner's learner section (hpc_tba.planner's docstring states the terms).
+
+Tensor parallelism (`learner.tensor_parallel_size` = TP, hpc_tba.roles.tensor_parallel): the
+model states stay P / N per rank (ZeRO-3 partitions each TP slice over the N / TP data-parallel
+ranks: (P_split / TP) / (N / TP) = P_split / N; replicated parameters over all N), the gathered
+layers are a layer's projections / TP plus its norms, and the activations of the heads and of
+the MLP's intermediate width are / TP (the norms' full-width tensors and the checkpointed layer
+inputs are not; the output head is replicated, so the logit chunk is not either).
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+from typing import TYPE_CHECKING
+
+from hpc_tba.losses.registry import needs
+from hpc_tba.memory import DTYPE_BYTES, ModelSpec, Plan, activation_bytes, logit_bytes
+
+if TYPE_CHECKING:
+    from hpc_tba.config import RunConfig
+
+GiB = 2**30
+
+
+def micro_batch_of(cfg: RunConfig) -> int:
+    """Sequences in one learner micro-batch: learner.micro_batch_size, 0 = K, at most G x K."""
+    lr, k = cfg.learner, cfg.searcher.k
+    return min(lr.micro_batch_size or k, lr.prompts_per_step * k)
+
+
+def _gathered(spec: ModelSpec, tp: int, pb: int) -> float:
+    """The live layer, the prefetched one and the live layer's full gradient, on one TP rank."""
+    return 3 * max(spec.embedding_params, spec.split_layer_params(tp)) * pb
+
+
+def _model_states(plan: Plan, cfg: RunConfig, spec: ModelSpec, n: int) -> float:
+    lr = cfg.learner
+    pb, ob, p = DTYPE_BYTES[lr.dtype], 12 if lr.dtype == "bf16" else 8, spec.params
+    host = "(host memory)"
+    total = plan.row("parameters (sharded)", pb * p / n * (not lr.offload_params),
+                     host if lr.offload_params else "", key="params")
+    gb = DTYPE_BYTES[_deepspeed(cfg)["data_types"]["grad_accum_dtype"]]  # ZeRO-3's partition buffer
+    total += plan.row("gradients (sharded)", gb * p / n,
+                      "fp32 accumulation" if gb != pb else "", key="grads")
+    total += plan.row("optimizer states (sharded)", ob * p / n * (not lr.offload_optimizer),
+                      host if lr.offload_optimizer else "", key="optimizer")
+    plan.model_states_gib = total / GiB
+    if needs(cfg.algo).reference:
+        total += plan.row(f"frozen reference for {cfg.algo.name} (sharded)",
+                          pb * p / n * (not lr.offload_params), key="reference")
+    else:
+        plan.terms["reference"] = 0
+    tp = lr.tensor_parallel_size
+    total += plan.row("gathered layers (live + prefetch + grad)", _gathered(spec, tp, pb),
+                      f"projections / TP {tp}" if tp > 1 else "", key="gathered")
+    # ZeRO-3 with contiguous gradients allocates one flat reduce bucket at initialize
+    bucket = min(_zero_option(cfg, "reduce_bucket_size", 500_000_000), p)
+    return total + plan.row("ZeRO-3 gradient reduce bucket", bucket * pb,
+                            f"{bucket:.3g} elements (zero_optimization.reduce_bucket_size)", key="reduce_bucket")
+
+
+def _zero_option(cfg: RunConfig, name: str, default: int) -> int:
+    """A zero_optimization setting of the learner's own DeepSpeed config, else DeepSpeed's default."""
+    return int(_deepspeed(cfg)["zero_optimization"].get(name, default))
+
+
+def _deepspeed(cfg: RunConfig) -> dict:
+    """The learner's own DeepSpeed config for this run."""
+    from hpc_tba.roles.ds_config import deepspeed_config
+
+    return deepspeed_config(cfg.learner, micro_batch=micro_batch_of(cfg), train=True)
+
+
+def _activation_total(cfg: RunConfig, spec: ModelSpec, sp: int, tp: int):
+    """(bytes, the activations, micro-batch sequences, positions per sequence) on one rank at
+    sequence-parallel size sp and tensor-parallel size tp."""
+    lr, s = cfg.learner, cfg.searcher
+    b = micro_batch_of(cfg)
+    seq = -(-s.max_model_len // sp)  # this rank's positions of one sequence (roles.parallel)
+    act = activation_bytes(spec, tokens=b * seq, dtype_bytes=DTYPE_BYTES[lr.dtype],
+                           checkpointing=lr.gradient_checkpointing, tp=tp)
+    return act.boundaries + act.live_layers, act, b, seq
+
+
+def _activations(plan: Plan, cfg: RunConfig, spec: ModelSpec) -> float:
+    lr, s = cfg.learner, cfg.searcher
+    sp, tp = lr.sequence_parallel_size, lr.tensor_parallel_size
+    total, act, b, seq = _activation_total(cfg, spec, sp, tp)
+    plan.micro_batch, plan.micro_batch_tokens = b, b * seq
+    src = "learner.micro_batch_size" if lr.micro_batch_size else "K (micro_batch_size 0)"
+    rows = f"{spec.num_layers} layers x {b} x {seq} tokens ({src}" + (
+        f"; {s.max_model_len} / SP {sp})" if sp > 1 else f"; heads and MLP / TP {tp})" if tp > 1 else ")")
+    if lr.gradient_checkpointing:
+        plan.row("activations: layer inputs (checkpointing)", act.boundaries, rows)
+        plan.row("activations: one layer recomputed", act.live_layers)
+    else:
+        plan.row("activations: every layer (no checkpointing)", act.live_layers, rows)
+    plan.terms["activations"] = total
+    chunk = min(lr.logprob_chunk_tokens, b * -(-s.max_new_tokens // sp))
+    return total + plan.row("logits: one chunk (+ fp32 log-softmax, grad)",
+                            logit_bytes(spec, chunk_tokens=chunk, dtype_bytes=DTYPE_BYTES[lr.dtype]),
+                            f"{chunk} positions x vocab {spec.vocab_size} (replicated head)", key="logits")
+
+
+def learner_rows(plan: Plan, cfg: RunConfig, spec: ModelSpec, gpus: int, capacity: float, *,
+                 usable: float, deepspeed: bool) -> None:
+    """The learner's per-rank rows, its total and its refusal (if any) into `plan`."""
+    c, lr = cfg.cluster, cfg.learner
+    n = max(cfg.cluster.num_learners, 1)
+    where = "GPUs" if gpus else "CPU ranks"
+    par = f", sequence parallel {lr.sequence_parallel_size}" if lr.sequence_parallel_size > 1 else ""
+    par += f", tensor parallel {lr.tensor_parallel_size}" if lr.tensor_parallel_size > 1 else ""
+    plan.lines.append(f"  learner, per rank (ZeRO-{lr.zero_stage} over {n} {where}{par}, {lr.dtype}, "
+                      f"checkpointing={lr.gradient_checkpointing}, offload optimizer="
+                      f"{lr.offload_optimizer} params={lr.offload_params}):")
+    total = _model_states(plan, cfg, spec, n) + _activations(plan, cfg, spec)
+    # learner rank 0 gathers into two flat slots of the largest bucket (WeightSender)
+    total += plan.row("weight-sync send slots (rank 0)", 2 * max(plan.buckets) * (c.num_searchers > 0),
+                      f"2 x the largest bucket (learner.sync_bucket_mb {lr.sync_bucket_mb:g})", key="send_slots")
+    plan.learner_gib = total / GiB
+    if gpus:
+        plan.lines.append(f"    {'total':<44} {total / GiB:9.2f} GiB  of {capacity / GiB:.2f} "
+                          f"usable ({usable:.0%} of {c.gpu_memory_gb:g} GB)")
+        if total > capacity:
+            plan.problems.append(_learner_refusal(plan, cfg, spec, total, capacity))
+    pb, ob = DTYPE_BYTES[lr.dtype], 12 if lr.dtype == "bf16" else 8
+    per_rank = (ob * lr.offload_optimizer + 2 * pb * lr.offload_params) * spec.params / n
+    if per_rank and c.cpu_memory_gb:
+        host = per_rank * max(gpus, 1)
+        plan.lines.append(f"    host memory per node for offload: {host / GiB:.1f} GiB of "
+                          f"{c.cpu_memory_gb * 1e9 / GiB:.1f}")
+        if host > c.cpu_memory_gb * 1e9 * usable:
+            plan.problems.append("offloaded optimizer states do not fit in host memory per node")
+    if deepspeed:
+        _compare_deepspeed(plan, spec, gpus, cfg)
+
+
+def _learner_refusal(plan: Plan, cfg: RunConfig, spec: ModelSpec, total: float, capacity: float) -> str:
+    """The reason a learner layout does not fit: the largest term and what would shrink it."""
+    lr, t = cfg.learner, plan.terms
+    head = f"learner needs {total / GiB:.1f} GiB per GPU but {capacity / GiB:.1f} GiB are usable"
+    states = t["params"] + t["grads"] + t["optimizer"] + t["reference"]
+    if t["activations"] >= states:
+        smaller = " or lower learner.micro_batch_size" if plan.micro_batch > 1 else ""
+        if not lr.gradient_checkpointing:
+            return (f"{head}: activations without gradient checkpointing take "
+                    f"{t['activations'] / GiB:.1f} GiB (every layer of {plan.micro_batch_tokens} "
+                    f"tokens): set learner.gradient_checkpointing=true{smaller}")
+        what = f"{head}: activations of a {plan.micro_batch}-sequence micro-batch take {t['activations'] / GiB:.1f} GiB"
+        if plan.micro_batch > 1:
+            return f"{what}: lower learner.micro_batch_size"
+        return f"{what}: {_next_lever(cfg, plan, spec, total, capacity)}"
+    return (f"{head}: model states take {states / GiB:.1f} GiB: add learner nodes, or offload "
+            f"(learner.offload_optimizer=true, learner.offload_params=true)")
+
+
+def _next_lever(cfg: RunConfig, plan: Plan, spec: ModelSpec, total: float, capacity: float) -> str:
+    """The next lever for one sequence's activations (the micro-batch is already 1): the
+    smallest sequence-parallel size that fits and the smallest tensor-parallel size that fits
+    (each must divide the GPUs per node, the learners and the model's heads; they do not
+    combine, so one is named with the other set back to 1), else what is left."""
+    lr, gpus, t = cfg.learner, cfg.cluster.gpus_per_node, plan.terms
+    pb = DTYPE_BYTES[lr.dtype]
+    rest = total - t["activations"] - t["gathered"]
+
+    def sizes(current: int) -> list[int]:
+        return [k for k in range(current + 1, max(gpus, 1) + 1) if not (
+            gpus % k or spec.num_heads % k or spec.num_kv_heads % k or cfg.cluster.num_learners % k)]
+
+    def fits(sp: int, tp: int) -> bool:
+        return rest + _activation_total(cfg, spec, sp, tp)[0] + _gathered(spec, tp, pb) <= capacity
+
+    levers = []
+    sp = next((k for k in sizes(lr.sequence_parallel_size) if fits(k, 1)), None)
+    if sp:
+        off = "learner.tensor_parallel_size=1 and " if lr.tensor_parallel_size > 1 else ""
+        levers.append(f"set {off}learner.sequence_parallel_size={sp} (Ulysses: each of {sp} ranks holds "
+                      f"1/{sp} of every sequence's activations)")
+    tp = next((k for k in sizes(lr.tensor_parallel_size) if fits(1, k)), None)
+    if tp:
+        off = "learner.sequence_parallel_size=1 and " if lr.sequence_parallel_size > 1 else ""
+        levers.append(f"set {off}learner.tensor_parallel_size={tp} (AutoTP: each of {tp} ranks holds "
+                      f"1/{tp} of the heads' and the MLP's activations and of each layer)")
+    if levers:
+        return ", or ".join(levers)
+    return ("neither sequence nor tensor parallelism within a node splits it enough (each is at most "
+            f"the {gpus} GPUs per node, must divide the model's heads, and they do not combine): "
+            "shorten searcher.max_model_len")
+
+
+def _compare_deepspeed(plan: Plan, spec: ModelSpec, gpus: int, cfg: RunConfig) -> None:
+    """Print DeepSpeed's own ZeRO-3 model-state estimate next to ours."""
+    try:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            from deepspeed.runtime.zero.stage3 import (
+                estimate_zero3_model_states_mem_needs,
+                estimate_zero3_model_states_mem_needs_all_cold,
+            )
+    except Exception as e:  # noqa: BLE001 - the comparison is optional, the plan is not
+        plan.lines.append(f"  DeepSpeed estimator unavailable: {type(e).__name__}: {e}")
+        return
+    per_node = gpus or 1
+    nodes = max(cfg.cluster.num_learners // per_node, 1)
+    _, ds_gpu, _ = estimate_zero3_model_states_mem_needs(
+        total_params=spec.params, largest_layer_params=spec.largest_layer_params,
+        num_gpus_per_node=per_node, num_nodes=nodes, cpu_offload=cfg.learner.offload_optimizer,
+        cpu_offload_params=cfg.learner.offload_params, zero_init=True)
+    plan.deepspeed_gib = ds_gpu / GiB
+    ours = plan.model_states_gib + 4 * spec.largest_layer_params / GiB
+    plan.lines.append(
+        f"  ZeRO-3 model states per GPU: hpc_tba {ours:.2f} GiB (params+grads+optimizer, "
+        f"+ 4 B x largest layer) vs DeepSpeed {plan.deepspeed_gib:.2f} GiB "
+        f"(estimate_zero3_model_states_mem_needs, 18 B/param)")
+    table = io.StringIO()
+    with contextlib.redirect_stdout(table):
+        estimate_zero3_model_states_mem_needs_all_cold(
+            spec.params, spec.largest_layer_params, num_gpus_per_node=per_node, num_nodes=nodes)
+    plan.lines += ["  DeepSpeed estimate_zero3_model_states_mem_needs_all_cold:"]
+    plan.lines += [f"    {ln}".replace("OffloadDeviceEnum.", "")
+                   for ln in table.getvalue().rstrip().splitlines()]

@@ -1,0 +1,318 @@
+"""Learner tensor parallelism (DeepSpeed AutoTP) is exact (issue 25): the real Learner (ZeRO-3,
+CPU, fp32, gradient clipping on) with learner.tensor_parallel_size=2 on 2 gloo ranks gives, for
+TB, TOPR, GRPO and A-LoL, the same log-probs, loss, gradients (TP slices gathered) and post-step
+weights as one rank (1e-5), on a batch whose responses do not divide evenly and whose groups
+differ in length; the weights the sender packs for the searchers, the exported safetensors and a
+checkpoint round trip are whole and equal TP=1's. One spawn of each world size for the file.
+Plus the DeepSpeed config read back from the engine, the layout and the refusals by name, and the
+planner's TP rows.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import glob
+import os
+import types
+
+import numpy as np
+import pytest
+import torch
+from conftest import gloo_deepspeed, spawn_ranks
+
+from hpc_tba.comm.groups import free_ports
+from hpc_tba.topology import LayoutError, Topology
+
+G, K = 3, 3
+OBJECTIVES = {"tb": {}, "topr": {}, "grpo": {"kl_coef": 0.04}, "alol": {}}
+CLIP = 0.02
+
+
+def _model_path() -> str:
+    return sorted(p for p in glob.glob(os.path.expanduser("~/.cache/hpc_tba/models/tiny-llama-*"))
+                  if not p.endswith(".lock"))[0]
+
+
+def _batch():
+    """9 sequences in 3 groups: prompt + response lengths 9, 6, 13 | 8, 13, 10 | 10, 11, 10 (odd
+    and even, groups of different lengths), micro-batches of 2 that split groups."""
+    from hpc_tba.messages import SampledBatch
+
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(3, 21, n).astype(np.int32) for n in (4, 7, 9)]
+    responses = [rng.integers(3, 21, n).astype(np.int32) for n in (5, 2, 9, 1, 6, 3, 1, 2, 1)]
+    return SampledBatch(
+        prompt_ids=np.repeat(np.arange(G), K).astype(np.int64), group_ids=np.repeat(np.arange(G), K),
+        prompt_tokens=[prompts[i // K] for i in range(G * K)], response_tokens=responses,
+        rewards=np.array([1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0], np.float32),
+        logp_behavior=[rng.normal(-3, 0.3, len(r)).astype(np.float32) for r in responses],
+        policy_versions=np.zeros(G * K, dtype=np.int64))
+
+
+def _full_grad(p: torch.nn.Parameter) -> torch.Tensor:
+    """The whole gradient of `p`: ZeRO-3's gather of this rank's slice, then the TP slices."""
+    import torch.distributed as dist
+    from deepspeed.module_inject.layers import LinearAllreduce
+    from deepspeed.utils import groups, safe_get_full_grad
+
+    from hpc_tba.roles import tensor_parallel
+
+    g = safe_get_full_grad(p)
+    layer = tensor_parallel._layer(p)
+    if layer is None:
+        return g
+    dim = 1 if isinstance(layer, LinearAllreduce) and p is layer.weight else 0
+    assert len(set(layer._partition_sizes)) == 1, "the tiny model splits evenly"
+    group = groups.get_tensor_model_parallel_group()
+    parts = [torch.empty_like(g) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, g.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def _sync_weights(learner) -> list[torch.Tensor]:
+    """What the sender packs into its buckets (every rank gathers; rank 0 broadcasts these)."""
+    sender, m = learner.sender, learner.manifest
+    out = []
+    for b, idx in enumerate(m.buckets):
+        flat = sender._free_slot(b % 2, m.bucket_numel(b))
+        sender._gather([sender.params[i] for i in idx], b % 2, flat, pack=True)
+        out.append(flat.clone())
+    return out
+
+
+def _read_back(engine) -> dict:
+    tp = engine._config.tensor_parallel_config
+    part = tp.partition_config or {}
+    return {"autotp_size": engine.autotp_size(), "tp_size": tp.tensor_parallel.tp_size,
+            "vocab_parallel_lm_head": tp.vocab_parallel_lm_head, "tp_overlap_comm": tp.tp_overlap_comm,
+            "use_default_specs": part.get("use_default_specs"), "strict_mode": part.get("strict_mode"),
+            "preset_model": tp.preset_model, "clip": engine.gradient_clipping()}
+
+
+def _worker(rank: int, world: int, port: int, path: str) -> None:
+    import deepspeed  # noqa: F401 - DeepSpeed's accelerator before torch.distributed
+    from safetensors.torch import load_file
+
+    from hpc_tba import checkpoint
+    from hpc_tba.buffer import BufferShard
+    from hpc_tba.config import BufferConfig, LearnerConfig
+    from hpc_tba.losses import make_config
+    from hpc_tba.roles import learner as learner_mod
+    from hpc_tba.roles import tensor_parallel
+    from hpc_tba.roles.learner import Learner
+
+    torch.set_num_threads(1)
+    gloo_deepspeed(rank, world, port)
+    out, tmp = {}, os.path.dirname(path)
+    for name, fields in OBJECTIVES.items():
+        cfg = LearnerConfig(total_steps=2, prompts_per_step=G, micro_batch_size=2, lr=1e-3, warmup_steps=1,
+                            logprob_chunk_tokens=3, grad_clip=CLIP, sync_wire_dtype="fp32",
+                            tensor_parallel_size=world, param_persistence_threshold=0)
+        run_dir = os.path.join(tmp, f"{name}{world}_{rank}")
+        learner = Learner(cfg=cfg, loss=make_config(name=name, **fields),
+                          shard=BufferShard(BufferConfig(), directory=None), k=K, temperature=0.7,
+                          model_path=_model_path(), transport=types.SimpleNamespace(rank=rank),
+                          topo=Topology.build(world, world, 0, needs_searchers=False, learner_tp_size=world),
+                          sync_group=None, run_dir=run_dir)
+        for p in learner.engine.module.parameters():
+            assert p.ds_tensor.dtype == torch.float32, "fp32 asked, fp32 built"
+        seen, step, accumulate = {}, learner.engine.step, learner_mod.microbatch.accumulate
+
+        def capture(*a, seen=seen, step=step, learner=learner, **kw):
+            seen["grad"] = torch.cat([_full_grad(p).flatten() for p in learner.engine.module.parameters()])
+            return step(*a, **kw)
+
+        def record(*a, seen=seen, accumulate=accumulate, **kw):
+            loss, metrics, logp = accumulate(*a, **kw)
+            seen["logp"] = logp.detach().clone()
+            return loss, metrics, logp
+
+        learner.engine.step = capture
+        learner_mod.microbatch.accumulate = record
+        try:
+            metrics = learner.train_step(_batch() if learner.peers.is_leader else None)
+        finally:
+            learner_mod.microbatch.accumulate = accumulate
+        params = list(learner.engine.module.parameters())
+        with tensor_parallel.gathered(params):
+            weights = torch.cat([p.detach().flatten().clone() for p in params])
+        res = {"logp": seen["logp"], "grad": seen["grad"], "weights": weights,
+               "loss": metrics["loss/total"]}  # rank 0 leads the one replica: normaliser N / D, D = 1
+        if name == "tb":  # the gathers for sync, export and a checkpoint round trip, once
+            res["sync"] = _sync_weights(learner)
+            res["manifest"] = learner.manifest.to_json()
+            export = os.path.join(tmp, f"export{world}")
+            checkpoint.export_hf(learner.engine, export, tokenizer_src=None, learner_rank=rank)
+            if rank == 0:
+                res["export"] = {}
+                for f in sorted(os.listdir(export)):
+                    if f.endswith(".safetensors"):
+                        res["export"].update(load_file(os.path.join(export, f)))
+            saved = checkpoint.save(learner.engine, run_dir=os.path.join(tmp, f"ckpt{world}"), step=1,
+                                    learner_rank=rank, shard_state={}, learner_state={"step": 1}, keep_last=1)
+            learner.train_step(_batch() if learner.peers.is_leader else None)  # move the weights on
+            checkpoint.load(learner.engine, saved, learner_rank=rank)
+            with tensor_parallel.gathered(params):
+                res["reloaded"] = torch.cat([p.detach().flatten().clone() for p in params])
+            if world > 1:
+                res["ds"] = _read_back(learner.engine)
+        out[name] = res
+    if rank == 0:
+        torch.save(out, path)  # tensors: a file, not spawn_ranks' return value
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tp")
+    ports = free_ports(2)
+    for world in (1, 2):
+        (tmp / f"w{world}").mkdir()
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # the 1-rank reference beside the TP run
+        jobs = [pool.submit(spawn_ranks, _worker, world, (world, ports[world - 1], str(tmp / f"w{world}" / "tp.pt")),
+                            timeout_s=300) for world in (1, 2)]
+        for job in jobs:
+            job.result()
+    return {w: torch.load(tmp / f"w{w}" / "tp.pt") for w in (1, 2)}
+
+
+@pytest.mark.timeout(360)
+@pytest.mark.parametrize("name", list(OBJECTIVES))
+def test_tp2_equals_one_rank(runs, name):
+    one, tp2 = runs[1][name], runs[2][name]
+    assert one["grad"].norm() > CLIP, "vacuous: gradient clipping never acts"
+    assert (one["logp"] != 0).sum() == sum(len(r) for r in _batch().response_tokens)
+    torch.testing.assert_close(tp2["logp"], one["logp"], rtol=1e-5, atol=1e-5)
+    assert abs(tp2["loss"] - one["loss"]) <= 1e-5 * max(1.0, abs(one["loss"]))
+    scale = float(one["grad"].abs().max())  # TB's gradient reaches ~1e3: 1e-5 of the largest entry
+    assert tp2["grad"].shape == one["grad"].shape
+    assert float((tp2["grad"] - one["grad"]).abs().max()) <= 1e-5 * max(1.0, scale)
+    torch.testing.assert_close(tp2["weights"], one["weights"], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.timeout(360)
+def test_searchers_export_and_checkpoint_get_whole_weights(runs):
+    one, tp2 = runs[1]["tb"], runs[2]["tb"]
+    assert tp2["manifest"] == one["manifest"]  # names, whole shapes, buckets: what searchers map
+    assert len(tp2["sync"]) == len(one["sync"])
+    for a, b in zip(tp2["sync"], one["sync"]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.cat(tp2["sync"]), tp2["weights"], rtol=0, atol=0)  # fp32 wire
+    assert tp2["export"].keys() == one["export"].keys()
+    for k, t in one["export"].items():
+        torch.testing.assert_close(tp2["export"][k], t, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(tp2["reloaded"], tp2["weights"], rtol=0, atol=0)  # the checkpoint's step
+    assert tp2["ds"] == {"autotp_size": 2, "tp_size": 2, "vocab_parallel_lm_head": False, "tp_overlap_comm": False,
+                         "use_default_specs": False, "strict_mode": True, "preset_model": None, "clip": CLIP}
+
+
+# ---------------------------------------------------------------- layout and refusals
+def test_layout_follows_the_data_parallel_rank():
+    topo = Topology.build(6, 4, 2, learner_tp_size=2)
+    assert topo.dp_size == 2 and topo.replica_size == 2 and [topo.dp_rank(r) for r in range(4)] == [0, 0, 1, 1]
+    assert [topo.tp_rank(r) for r in range(4)] == [0, 1, 0, 1]
+    assert [topo.shard_of_prompt(p) for p in range(4)] == [0, 2, 0, 2]  # the replicas' leaders
+    with pytest.raises(LayoutError, match="tensor_parallel_size=3 must divide the 4 learner"):
+        Topology.build(6, 4, 2, learner_tp_size=3)
+    with pytest.raises(LayoutError, match="tensor_parallel_size=4 must divide the 2 slots per node"):
+        Topology.build(6, 4, 2, num_nodes=3, slots_per_node=2, learner_tp_size=4)
+    with pytest.raises(LayoutError, match="tensor_parallel_size=2 with learner.sequence_parallel_size=2"):
+        Topology.build(6, 4, 2, sp_size=2, learner_tp_size=2)
+
+
+def test_refusals_by_name():
+    from hpc_tba.config import LearnerConfig
+    from hpc_tba.roles import tensor_parallel
+    from hpc_tba.roles.ds_config import deepspeed_config
+
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 with learner.sequence_parallel_size=2.*do not "):
+        LearnerConfig(tensor_parallel_size=2, sequence_parallel_size=2)
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 needs learner.zero_stage=3"):
+        LearnerConfig(tensor_parallel_size=2, zero_stage=2)
+    assert "tensor_parallel" not in deepspeed_config(LearnerConfig(), micro_batch=1, train=True)
+    assert deepspeed_config(LearnerConfig(tensor_parallel_size=2), micro_batch=1, train=True)[
+        "tensor_parallel"]["autotp_size"] == 2
+
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    small = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "vocab_size": 32,
+             "head_dim": 16}
+    with torch.device("meta"):
+        llama = LlamaForCausalLM(LlamaConfig(num_attention_heads=4, num_key_value_heads=2, **small))
+        qwen3 = Qwen3ForCausalLM(Qwen3Config(num_attention_heads=4, num_key_value_heads=4, **small))
+    tensor_parallel.check_model(llama, 2)
+    with pytest.raises(ValueError, match="tensor_parallel_size=4 must divide the model's 4 attention heads and 2"):
+        tensor_parallel.check_model(llama, 4)
+    with pytest.raises(ValueError, match=r"has model.layers.0.self_attn.q_norm.weight.*not supported"):
+        tensor_parallel.check_model(qwen3, 2)
+    llama.model.layers[0].mlp.router = torch.nn.Linear(64, 4, device="meta")  # a Linear no spec names
+    with pytest.raises(ValueError, match=r"has model.layers.0.mlp.router.weight"):
+        tensor_parallel.check_model(llama, 2)
+
+
+# ---------------------------------------------------------------- planner
+def test_planner_splits_layers_and_activations():
+    from hpc_tba.assembly.compose import compose
+    from hpc_tba.planner import PlanOptions, format_plan, make_plan
+
+    fast = PlanOptions(deepspeed=False)
+    for ckpt in ("false", "true"):
+        base = ["+experiment=tba_70b", "searcher.max_new_tokens=7680", "searcher.max_model_len=8192",
+                "learner.micro_batch_size=1", f"learner.gradient_checkpointing={ckpt}"]
+        one, two = (make_plan(compose([*base, f"learner.tensor_parallel_size={tp}"]), fast) for tp in (1, 2))
+        assert "tensor parallel 2" in format_plan(two) and "tensor parallel" not in format_plan(one)
+        # heads and MLP halve, the norms' full-width tensors (and checkpointed layer inputs) do not
+        assert one.terms["activations"] / 2 < two.terms["activations"] < one.terms["activations"]
+        assert two.terms["logits"] == one.terms["logits"]  # the head is replicated
+        # model states stay P / N: each TP slice is partitioned over the N / TP data-parallel ranks
+        assert all(two.terms[k] == one.terms[k] for k in ("params", "grads", "optimizer", "reference"))
+        # the 70B's largest gathered layer is its (replicated) embedding: the split leaves it whole
+        assert two.terms["gathered"] == one.terms["gathered"]
+    dry = make_plan(compose(["cluster.num_learners=2", "learner.tensor_parallel_size=2"]),
+                    PlanOptions(deepspeed=False, dry_run=True))
+    assert dry.fits, dry.problems
+    row = next(ln for ln in dry.lines if "decoder layer on one TP rank (TP 2)" in ln)
+    assert row.endswith("ok"), row
+
+
+def test_planner_names_tensor_parallelism_when_it_fits():
+    from hpc_tba.assembly.compose import compose
+    from hpc_tba.planner import PlanOptions, make_plan
+
+    fast = PlanOptions(deepspeed=False)
+    for tokens in range(8192, 65537, 2048):  # the first length the 70B layout refuses
+        plan = make_plan(compose(["+experiment=tba_70b", f"searcher.max_new_tokens={tokens - 512}",
+                                  f"searcher.max_model_len={tokens}", "learner.micro_batch_size=1"]), fast)
+        if not plan.fits:
+            break
+    text = plan.problems[0]
+    assert "learner.micro_batch_size" not in text and "set learner.sequence_parallel_size=2" in text, text
+    assert "or set learner.tensor_parallel_size=" in text, text
+    tp = int(text.split("learner.tensor_parallel_size=")[1].split()[0])
+    fixed = make_plan(compose(["+experiment=tba_70b", f"searcher.max_new_tokens={tokens - 512}",
+                               f"searcher.max_model_len={tokens}", "learner.micro_batch_size=1",
+                               f"learner.tensor_parallel_size={tp}"]), fast)
+    assert fixed.fits, fixed.problems
+
+
+# ---------------------------------------------------------------- end to end
+@pytest.mark.long
+def test_train_with_tp2_syncs_exactly(tmp_path):
+    """`hpc-tba train cluster.num_learners=2 learner.tensor_parallel_size=2 learner.sync_check=true`:
+    the weights the searcher receives (ZeRO-3 partitions and TP slices gathered) give the
+    learner's log-probs."""
+    import json
+    import subprocess
+
+    from conftest import HPC_TBA
+
+    run_dir = tmp_path / "run"
+    cmd = [HPC_TBA, "train", "cluster.num_learners=2", "learner.tensor_parallel_size=2",
+           "learner.sync_check=true", "learner.total_steps=4", "learner.sync_every=2", "learner.eval_every=0",
+           "cluster.num_searchers=1", f"run_dir={run_dir}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 4
+    gaps = summary["sync_logprob_gap"]["2"]
+    print(f"TP=2 sync probe gap: {gaps}")
+    assert sorted(int(v) for v in gaps) == [2, 4] and max(gaps.values()) < 1e-4, gaps
+    assert (run_dir / "final_model" / "config.json").is_file()
