@@ -2,7 +2,7 @@
 
 Export (`export_hf`): layer by layer into sharded safetensors, never more than one layer
 gathered on any rank (at 70B the whole-model gather the export used to do is 140 GB per rank);
-ZeRO-3 partitions and learner TP slices alike (roles.tensor_parallel.gathered).
+ZeRO-3 partitions and learner TP slices alike (`gathered`).
 
 Layout under `<run_dir>/checkpoints/`:
 
@@ -220,9 +220,39 @@ def layer_groups(module: torch.nn.Module) -> list[tuple[str, list[tuple[str, tor
     return list(groups.items())
 
 
-def _nbytes(p: torch.nn.Parameter) -> int:
-    from hpc_tba.roles.tensor_parallel import full_shape
+def split_layer(p: torch.nn.Parameter):
+    """The DeepSpeed AutoTP layer that split `p` into TP slices (learner tensor parallelism,
+    hpc_tba.roles.tensor_parallel), or None for a parameter every TP rank holds whole."""
+    from deepspeed.module_inject.layers import DS_IS_REPLACED_MODULE
 
+    return p.gather_params.__self__ if getattr(p, DS_IS_REPLACED_MODULE, False) else None
+
+
+def full_shape(p: torch.nn.Parameter) -> tuple[int, ...]:
+    """The whole parameter's shape: before AutoTP split it and ZeRO-3 partitioned it."""
+    layer = split_layer(p)
+    if layer is not None:
+        return tuple(layer._orig_weight_shape if p is layer.weight else layer._orig_bias_shape)
+    return tuple(getattr(p, "ds_shape", p.shape))
+
+
+@contextlib.contextmanager
+def gathered(params: list[torch.nn.Parameter]):
+    """Every parameter of `params` whole on every rank for the block, read-only (collective over
+    the learners): the ZeRO-3 gathers, then each TP-split parameter's slices
+    (`GatherReplacedLayerParams`, all TP ranks together); a plain module's are no-ops."""
+    import deepspeed
+    from deepspeed.module_inject.layers import GatherReplacedLayerParams
+
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=None), contextlib.ExitStack() as tp:
+        for p in params:
+            layer = split_layer(p)
+            if layer is not None:
+                tp.enter_context(GatherReplacedLayerParams([p], layer))
+        yield
+
+
+def _nbytes(p: torch.nn.Parameter) -> int:
     return math.prod(full_shape(p)) * p.element_size()
 
 
@@ -251,11 +281,9 @@ def export_hf(engine, out_dir: str, *, tokenizer_src: str | None, learner_rank: 
     transformers' `save_pretrained` writes them, so `from_pretrained` and vLLM load the result.
     `engine` is a DeepSpeed engine or a plain module (then the gathers are no-ops). Under learner
     tensor parallelism each layer's TP slices are gathered too, by every TP rank together
-    (roles.tensor_parallel.gathered), so the files hold whole tensors.
+    (`gathered`), so the files hold whole tensors.
     """
     from safetensors.torch import save_file
-
-    from hpc_tba.roles.tensor_parallel import gathered
 
     module = getattr(engine, "module", engine)
     groups = layer_groups(module)

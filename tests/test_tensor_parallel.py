@@ -57,7 +57,7 @@ def _full_grad(p: torch.nn.Parameter) -> torch.Tensor:
     from hpc_tba.roles import tensor_parallel
 
     g = safe_get_full_grad(p)
-    layer = tensor_parallel._layer(p)
+    layer = tensor_parallel.split_layer(p)
     if layer is None:
         return g
     dim = 1 if isinstance(layer, LinearAllreduce) and p is layer.weight else 0

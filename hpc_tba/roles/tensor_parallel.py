@@ -28,18 +28,22 @@ gradient is the same on every TP peer (the column-parallel backward all-reduces 
 gradient), averaged over all L ranks: both equal (1/D) Σ_replicas ∇. So the learner's loss
 normaliser is N / D (`grad_ranks`), N the step's loss units counted once per replica.
 
-Full weights (weight sync, export): `gathered(params)`, `zero.GatheredParameters` (the ZeRO-3
-partitions of each slice) around `GatherReplacedLayerParams` (the TP slices, all-gathered along
-the split dimension); every TP rank takes part in the same gathers in the same order.
+Full weights (weight sync, export): `gathered(params)` (it lives in hpc_tba.checkpoint, whose
+export uses it: plumbing below the roles), `zero.GatheredParameters` (the ZeRO-3 partitions of
+each slice) around `GatherReplacedLayerParams` (the TP slices, all-gathered along the split
+dimension); every TP rank takes part in the same gathers in the same order. `full_shape`: a
+parameter's whole shape, for the manifest the searchers map.
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
+from hpc_tba.checkpoint import full_shape, gathered, split_layer
 from hpc_tba.comm.weight_sync import WeightSender
 from hpc_tba.roles.parallel import Peers, peer_groups
+
+__all__ = ["COLUMN", "ROW", "TPWeightSender", "build", "check_engine", "check_model", "ds_section",
+           "full_shape", "gathered", "grad_ranks", "split_layer"]
 
 COLUMN = (r".*\.self_attn\.[qkv]_proj\.(weight|bias)$", r".*\.mlp\.(gate|up)_proj\.(weight|bias)$")
 ROW = (r".*\.self_attn\.o_proj\.weight$", r".*\.mlp\.down_proj\.weight$")
@@ -133,36 +137,6 @@ def check_engine(engine, peers: Peers, *, vocab_size: int) -> None:
         raise RuntimeError(f"{where}: the output head is {type(head).__name__} of shape "
                            f"{tuple(getattr(head.weight, 'ds_shape', head.weight.shape))}: it must stay "
                            f"a whole, replicated Linear over the {vocab_size}-token vocabulary")
-
-
-def _layer(p: torch.nn.Parameter):
-    """The AutoTP layer that split `p`, or None for a replicated parameter."""
-    from deepspeed.module_inject.layers import DS_IS_REPLACED_MODULE
-
-    return p.gather_params.__self__ if getattr(p, DS_IS_REPLACED_MODULE, False) else None
-
-
-def full_shape(p: torch.nn.Parameter) -> tuple[int, ...]:
-    """The whole parameter's shape: before AutoTP split it and ZeRO-3 partitioned it."""
-    layer = _layer(p)
-    if layer is not None:
-        return tuple(layer._orig_weight_shape if p is layer.weight else layer._orig_bias_shape)
-    return tuple(getattr(p, "ds_shape", p.shape))
-
-
-@contextlib.contextmanager
-def gathered(params: list[torch.nn.Parameter]):
-    """Every parameter of `params` whole on every rank for the block (collective over all the
-    learners: ZeRO-3 gathers, then each split parameter's TP slices); read-only."""
-    import deepspeed
-    from deepspeed.module_inject.layers import GatherReplacedLayerParams
-
-    with deepspeed.zero.GatheredParameters(params, modifier_rank=None), contextlib.ExitStack() as tp:
-        for p in params:
-            layer = _layer(p)
-            if layer is not None:
-                tp.enter_context(GatherReplacedLayerParams([p], layer))
-        yield
 
 
 class TPWeightSender(WeightSender):
