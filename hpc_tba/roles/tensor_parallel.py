@@ -70,9 +70,37 @@ def ds_section(size: int) -> dict:
 
 
 def build(size: int, num_learners: int, lrank: int, *, timeout_s: float) -> Peers:
-    """This learner's TP peers (the replica's consecutive ranks) and their group for sharing
-    batches; every learner rank calls it."""
-    return peer_groups(size, num_learners, lrank, timeout_s=timeout_s, field="tensor_parallel_size")
+    """This learner's TP peers (the replica's consecutive ranks), every learner rank calling it.
+
+    The groups are DeepSpeed's own: made here, once per process, with the learners' collective
+    timeout (DeepSpeed's mesh would take torch's default, 10 min under NCCL), and handed to
+    `deepspeed.utils.groups`, whose `_init_tp_mesh_device` then keeps them (it builds nothing
+    when a TP group exists): the TP groups are our replicas (`peer_groups`), the data-parallel
+    groups the ranks of one TP index, the layout of DeepSpeed's (dp, tp) mesh.
+    """
+    import datetime
+
+    import torch.distributed as dist
+    from deepspeed.utils import groups
+
+    if size == 1:
+        return peer_groups(1, num_learners, lrank, timeout_s=timeout_s, field="tensor_parallel_size")
+    if groups._TENSOR_MODEL_PARALLEL_GROUP is None:
+        peers = peer_groups(size, num_learners, lrank, timeout_s=timeout_s, field="tensor_parallel_size")
+        data = None
+        for t in range(size):
+            ranks = list(range(t, num_learners, size))
+            g = dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout_s))
+            data = g if lrank in ranks else data
+        groups._DATA_PARALLEL_GROUP = data
+        groups._TENSOR_MODEL_PARALLEL_GROUP = groups._MODEL_PARALLEL_GROUP = peers.group
+        return peers
+    group = groups._TENSOR_MODEL_PARALLEL_GROUP  # a second learner in this process: the same groups
+    leader = lrank - lrank % size
+    if dist.get_process_group_ranks(group) != list(range(leader, leader + size)):
+        raise RuntimeError(f"learner.tensor_parallel_size={size}: this process already has TP groups "
+                           f"of another layout ({dist.get_process_group_ranks(group)})")
+    return Peers(size, lrank - leader, group, leader)
 
 
 def grad_ranks(num_learners: int, size: int) -> int:
