@@ -32,12 +32,12 @@ def _model_path() -> str:
                   if not p.endswith(".lock"))[0]
 
 
-def _batch():
+def _batch(seed: int = 11):
     """9 sequences in 3 groups: prompt + response lengths 9, 6, 13 | 8, 13, 10 | 10, 11, 10 (odd
     and even, groups of different lengths), micro-batches of 2 that split groups."""
     from hpc_tba.messages import SampledBatch
 
-    rng = np.random.default_rng(11)
+    rng = np.random.default_rng(seed)
     prompts = [rng.integers(3, 21, n).astype(np.int32) for n in (4, 7, 9)]
     responses = [rng.integers(3, 21, n).astype(np.int32) for n in (5, 2, 9, 1, 6, 3, 1, 2, 1)]
     return SampledBatch(
@@ -83,9 +83,59 @@ def _read_back(engine) -> dict:
     tp = engine._config.tensor_parallel_config
     part = tp.partition_config or {}
     return {"autotp_size": engine.autotp_size(), "tp_size": tp.tensor_parallel.tp_size,
+            "tp_grain_size": tp.tensor_parallel.tp_grain_size,
             "vocab_parallel_lm_head": tp.vocab_parallel_lm_head, "tp_overlap_comm": tp.tp_overlap_comm,
             "use_default_specs": part.get("use_default_specs"), "strict_mode": part.get("strict_mode"),
             "preset_model": tp.preset_model, "clip": engine.gradient_clipping()}
+
+
+def _learner(rank: int, world: int, tp: int, name: str, run_dir: str):
+    from hpc_tba.buffer import BufferShard
+    from hpc_tba.config import BufferConfig, LearnerConfig
+    from hpc_tba.losses import make_config
+    from hpc_tba.roles.learner import Learner
+
+    cfg = LearnerConfig(total_steps=2, prompts_per_step=G, micro_batch_size=2, lr=1e-3, warmup_steps=1,
+                        logprob_chunk_tokens=3, grad_clip=CLIP, sync_wire_dtype="fp32",
+                        tensor_parallel_size=tp, param_persistence_threshold=0)
+    learner = Learner(cfg=cfg, loss=make_config(name=name, **OBJECTIVES[name]),
+                      shard=BufferShard(BufferConfig(), directory=None), k=K, temperature=0.7,
+                      model_path=_model_path(), transport=types.SimpleNamespace(rank=rank),
+                      topo=Topology.build(world, world, 0, needs_searchers=False, learner_tp_size=tp),
+                      sync_group=None, run_dir=run_dir)
+    for p in learner.engine.module.parameters():
+        assert p.ds_tensor.dtype == torch.float32, "fp32 asked, fp32 built"
+    return learner
+
+
+def _step(learner, batch) -> dict:
+    """One train_step on `batch`: the log-probs, the whole gradient before the update (and its
+    clipping), the loss metric and the whole weights after it."""
+    from hpc_tba.roles import learner as learner_mod
+    from hpc_tba.roles import tensor_parallel
+
+    seen, step, accumulate = {}, learner.engine.step, learner_mod.microbatch.accumulate
+
+    def capture(*a, **kw):
+        seen["grad"] = torch.cat([_full_grad(p).flatten() for p in learner.engine.module.parameters()])
+        return step(*a, **kw)
+
+    def record(*a, **kw):
+        loss, metrics, logp = accumulate(*a, **kw)
+        seen["logp"] = logp.detach().clone()
+        return loss, metrics, logp
+
+    learner.engine.step = capture
+    learner_mod.microbatch.accumulate = record
+    try:
+        metrics = learner.train_step(batch if learner.peers.is_leader else None)
+    finally:
+        learner_mod.microbatch.accumulate = accumulate
+        learner.engine.step = step
+    params = list(learner.engine.module.parameters())
+    with tensor_parallel.gathered(params):
+        weights = torch.cat([p.detach().flatten().clone() for p in params])
+    return {"logp": seen["logp"], "grad": seen["grad"], "weights": weights, "loss": metrics["loss/total"]}
 
 
 def _worker(rank: int, world: int, port: int, path: str) -> None:
@@ -93,50 +143,14 @@ def _worker(rank: int, world: int, port: int, path: str) -> None:
     from safetensors.torch import load_file
 
     from hpc_tba import checkpoint
-    from hpc_tba.buffer import BufferShard
-    from hpc_tba.config import BufferConfig, LearnerConfig
-    from hpc_tba.losses import make_config
-    from hpc_tba.roles import learner as learner_mod
     from hpc_tba.roles import tensor_parallel
-    from hpc_tba.roles.learner import Learner
 
     torch.set_num_threads(1)
     gloo_deepspeed(rank, world, port)
     out, tmp = {}, os.path.dirname(path)
-    for name, fields in OBJECTIVES.items():
-        cfg = LearnerConfig(total_steps=2, prompts_per_step=G, micro_batch_size=2, lr=1e-3, warmup_steps=1,
-                            logprob_chunk_tokens=3, grad_clip=CLIP, sync_wire_dtype="fp32",
-                            tensor_parallel_size=world, param_persistence_threshold=0)
-        run_dir = os.path.join(tmp, f"{name}{world}_{rank}")
-        learner = Learner(cfg=cfg, loss=make_config(name=name, **fields),
-                          shard=BufferShard(BufferConfig(), directory=None), k=K, temperature=0.7,
-                          model_path=_model_path(), transport=types.SimpleNamespace(rank=rank),
-                          topo=Topology.build(world, world, 0, needs_searchers=False, learner_tp_size=world),
-                          sync_group=None, run_dir=run_dir)
-        for p in learner.engine.module.parameters():
-            assert p.ds_tensor.dtype == torch.float32, "fp32 asked, fp32 built"
-        seen, step, accumulate = {}, learner.engine.step, learner_mod.microbatch.accumulate
-
-        def capture(*a, seen=seen, step=step, learner=learner, **kw):
-            seen["grad"] = torch.cat([_full_grad(p).flatten() for p in learner.engine.module.parameters()])
-            return step(*a, **kw)
-
-        def record(*a, seen=seen, accumulate=accumulate, **kw):
-            loss, metrics, logp = accumulate(*a, **kw)
-            seen["logp"] = logp.detach().clone()
-            return loss, metrics, logp
-
-        learner.engine.step = capture
-        learner_mod.microbatch.accumulate = record
-        try:
-            metrics = learner.train_step(_batch() if learner.peers.is_leader else None)
-        finally:
-            learner_mod.microbatch.accumulate = accumulate
-        params = list(learner.engine.module.parameters())
-        with tensor_parallel.gathered(params):
-            weights = torch.cat([p.detach().flatten().clone() for p in params])
-        res = {"logp": seen["logp"], "grad": seen["grad"], "weights": weights,
-               "loss": metrics["loss/total"]}  # rank 0 leads the one replica: normaliser N / D, D = 1
+    for name in OBJECTIVES:
+        learner = _learner(rank, world, world, name, os.path.join(tmp, f"{name}{world}_{rank}"))
+        res = _step(learner, _batch())  # rank 0 leads the one replica: normaliser N / D, D = 1
         if name == "tb":  # the gathers for sync, export and a checkpoint round trip, once
             res["sync"] = _sync_weights(learner)
             res["manifest"] = learner.manifest.to_json()
@@ -151,6 +165,7 @@ def _worker(rank: int, world: int, port: int, path: str) -> None:
                                     learner_rank=rank, shard_state={}, learner_state={"step": 1}, keep_last=1)
             learner.train_step(_batch() if learner.peers.is_leader else None)  # move the weights on
             checkpoint.load(learner.engine, saved, learner_rank=rank)
+            params = list(learner.engine.module.parameters())
             with tensor_parallel.gathered(params):
                 res["reloaded"] = torch.cat([p.detach().flatten().clone() for p in params])
             if world > 1:
@@ -200,7 +215,8 @@ def test_searchers_export_and_checkpoint_get_whole_weights(runs):
     for k, t in one["export"].items():
         torch.testing.assert_close(tp2["export"][k], t, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(tp2["reloaded"], tp2["weights"], rtol=0, atol=0)  # the checkpoint's step
-    assert tp2["ds"] == {"autotp_size": 2, "tp_size": 2, "vocab_parallel_lm_head": False, "tp_overlap_comm": False,
+    assert tp2["ds"] == {"autotp_size": 2, "tp_size": 2, "tp_grain_size": 1, "vocab_parallel_lm_head": False,
+                         "tp_overlap_comm": False,
                          "use_default_specs": False, "strict_mode": True, "preset_model": None, "clip": CLIP}
 
 
@@ -291,6 +307,55 @@ def test_planner_names_tensor_parallelism_when_it_fits():
                                f"searcher.max_model_len={tokens}", "learner.micro_batch_size=1",
                                f"learner.tensor_parallel_size={tp}"]), fast)
     assert fixed.fits, fixed.problems
+
+
+# ---------------------------------------------------------------- data x tensor parallel
+def _dp_tp_worker(rank: int, world: int, port: int, path: str) -> None:
+    """world 4: two replicas of TP 2, each its own batch; world 1: both batches at once."""
+    from hpc_tba.messages import SampledBatch
+
+    torch.set_num_threads(1)
+    gloo_deepspeed(rank, world, port)
+    a, b = _batch(11), _batch(12)
+    both = SampledBatch(**{f: (np.concatenate([getattr(a, f), getattr(b, f) + (G if f == "group_ids" else 0)])
+                               if isinstance(getattr(a, f), np.ndarray) else getattr(a, f) + getattr(b, f))
+                           for f in ("prompt_ids", "group_ids", "prompt_tokens", "response_tokens", "rewards",
+                                     "logp_behavior", "policy_versions")})
+    out = {}
+    for name in ("tb", "grpo"):
+        run_dir = os.path.join(os.path.dirname(path), f"{name}{world}_{rank}")
+        learner = _learner(rank, world, 2 if world > 1 else 1, name, run_dir)
+        out[name] = _step(learner, both if world == 1 else (a, b)[rank // 2])
+    torch.save(out, f"{path}.{rank}")
+
+
+@pytest.mark.long
+@pytest.mark.timeout(900)
+def test_two_replicas_of_tp2_equal_one_rank(tmp_path):
+    """D = 2 replicas of TP 2 (4 ranks): the normaliser's D = L / TP, the TP slices averaged over
+    the data-parallel group, the replicated parameters over all four ranks."""
+    ports = free_ports(2)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        jobs = [pool.submit(spawn_ranks, _dp_tp_worker, world, (world, ports[world // 4], str(tmp_path / f"w{world}")),
+                            timeout_s=800) for world in (1, 4)]
+        for job in jobs:
+            job.result()
+    one = torch.load(tmp_path / "w1.0")
+    ranks = [torch.load(tmp_path / f"w4.{r}") for r in range(4)]
+    rows = len(_batch().response_tokens)
+    for name in ("tb", "grpo"):
+        ref = one[name]
+        for r, res in enumerate(ranks):
+            mine = res[name]
+            part = ref["logp"][(r // 2) * rows: (r // 2 + 1) * rows]
+            t = mine["logp"].shape[1]
+            torch.testing.assert_close(mine["logp"], part[:, :t], rtol=1e-5, atol=1e-5)
+            assert not part[:, t:].any()
+            scale = float(ref["grad"].abs().max())
+            assert float((mine["grad"] - ref["grad"]).abs().max()) <= 1e-5 * max(1.0, scale), (name, r)
+            torch.testing.assert_close(mine["weights"], ref["weights"], rtol=1e-5, atol=1e-5)
+        loss = (ranks[0][name]["loss"] + ranks[2][name]["loss"]) / 2  # each leader: its rows / (N / D)
+        assert abs(loss - ref["loss"]) <= 1e-5 * max(1.0, abs(ref["loss"]))
 
 
 # ---------------------------------------------------------------- end to end
