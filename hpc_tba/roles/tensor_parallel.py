@@ -124,16 +124,15 @@ def check_model(model, size: int) -> None:
         raise ValueError(f"{where} must divide the model's {heads} attention heads and {kv} key/value "
                          "heads (AutoTP gives every TP rank whole heads)")
     head = model.get_output_embeddings()
-    head_weight = None if head is None else head.weight
-    split = [p for p in COLUMN + ROW]
+    whole = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    whole |= set() if head is None else {id(head.weight)}  # replicated 2-D weights: embeddings, head
     matched = 0
     for name, p in model.named_parameters():
-        if any(re.match(pat, name) for pat in split):
+        if any(re.match(pat, name) for pat in COLUMN + ROW):
             matched += 1
             continue
         two_d = len(getattr(p, "ds_shape", p.shape)) == 2
-        embedding = any(isinstance(m, torch.nn.Embedding) and m.weight is p for m in model.modules())
-        if ".self_attn." in name or (two_d and p is not head_weight and not embedding):
+        if ".self_attn." in name or (two_d and id(p) not in whole):
             raise ValueError(f"{where}: {type(model).__name__} (model_type {cfg.model_type!r}) has "
                              f"{name}, which the learner's AutoTP split (q/k/v/o and gate/up/down "
                              "projections) does not cover exactly; this model family is not supported "
