@@ -114,6 +114,10 @@ def learner_rows(plan: Plan, cfg: RunConfig, spec: ModelSpec, gpus: int, capacit
     plan.lines.append(f"  learner, per rank (ZeRO-{lr.zero_stage} over {n} {where}{par}, {lr.dtype}, "
                       f"checkpointing={lr.gradient_checkpointing}, offload optimizer="
                       f"{lr.offload_optimizer} params={lr.offload_params}):")
+    tp = lr.tensor_parallel_size
+    if spec.num_heads % tp or spec.num_kv_heads % tp:  # the learner's own refusal (check_model)
+        plan.problems.append(f"learner.tensor_parallel_size={tp} must divide the model's {spec.num_heads} "
+                             f"attention heads and {spec.num_kv_heads} key/value heads")
     total = _model_states(plan, cfg, spec, n) + _activations(plan, cfg, spec)
     # learner rank 0 gathers into two flat slots of the largest bucket (WeightSender)
     total += plan.row("weight-sync send slots (rank 0)", 2 * max(plan.buckets) * (c.num_searchers > 0),

@@ -282,6 +282,10 @@ def test_planner_splits_layers_and_activations():
         assert all(two.terms[k] == one.terms[k] for k in ("params", "grads", "optimizer", "reference"))
         # the 70B's largest gathered layer is its (replicated) embedding: the split leaves it whole
         assert two.terms["gathered"] == one.terms["gathered"]
+    heads = make_plan(compose([*base, "learner.tensor_parallel_size=16", "cluster.gpus_per_node=16", "cluster.nodes=8",
+                               "searcher.tensor_parallel_size=4"]), fast)
+    assert any("tensor_parallel_size=16 must divide the model's 64 attention heads and 8" in p
+               for p in heads.problems), heads.problems
     dry = make_plan(compose(["cluster.num_learners=2", "learner.tensor_parallel_size=2"]),
                     PlanOptions(deepspeed=False, dry_run=True))
     assert dry.fits, dry.problems
