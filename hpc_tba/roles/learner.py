@@ -11,7 +11,9 @@ with a STOP / DONE handshake that drains every trajectory still in flight.
 buffer, each step waits for the G prompts the searchers generated with the current weights and
 trains on exactly those (K responses each, as generated), then syncs; the searchers generate the
 next batch only once those weights arrive. Everything else (loss, sync, logging) is shared, so
-sync vs async differs in scheduling only. Every step logs where the time went (`util/train`,
+sync vs async differs in scheduling only. With sequence or tensor parallelism a replica's peers
+(roles.parallel, roles.tensor_parallel) train on their leader's batch in lockstep; the engines are
+built in roles.engines. Every step logs where the time went (`util/train`,
 `util/sync`, `util/wait`, `util/receive`, `util/checkpoint`; roles.logging.Timers).
 """
 from __future__ import annotations
