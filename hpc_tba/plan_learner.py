@@ -185,7 +185,7 @@ def _next_lever(cfg: RunConfig, plan: Plan, spec: ModelSpec, total: float, capac
     if tp:
         off = "learner.sequence_parallel_size=1 and " if lr.sequence_parallel_size > 1 else ""
         levers.append(f"set {off}learner.tensor_parallel_size={tp} (AutoTP: each of {tp} ranks holds "
-                      f"1/{tp} of the heads' and the MLP's activations and of each layer)")
+                      f"1/{tp} of the heads' and the MLP's activations and projections)")
     if levers:
         return ", or ".join(levers)
     return ("neither sequence nor tensor parallelism within a node splits it enough (each is at most "
