@@ -111,10 +111,20 @@ def _micro_batches(plan: Plan, cfg: RunConfig) -> None:
     groups = np.repeat(np.arange(g), k)
     split = microbatch.plan(lengths, groups, cfg.learner.micro_batch_size or k)
     prompt, response = np.zeros(prompt_len, dtype=np.int64), np.zeros(resp_len, dtype=np.int64)
-    # each SP rank's positions (roles.parallel: the split the learner runs; SP 1: all of them)
-    sp = parallel.SequenceParallel(cfg.learner.sequence_parallel_size, 0, None, 0)
-    shapes = [tuple(sp.local_inputs(pack([prompt] * len(rows), [response] * len(rows), pad_id=0).input_ids)[0]
-                    ["input_ids"].shape) for rows in split.rows]
+    # every SP rank's positions on the meta device (roles.parallel: the split the learner runs; SP 1:
+    # all of them); the windows must tile the padded sequence
+    size = cfg.learner.sequence_parallel_size
+    peers = [parallel.SequenceParallel(size, r, None, 0) for r in range(size)]
+    shapes = []
+    for rows in split.rows:
+        ids = pack([prompt] * len(rows), [response] * len(rows), pad_id=0).input_ids.to("meta")
+        windows = [sp.local_inputs(ids) for sp in peers]
+        stops = [0] + [stop for _, _, stop in windows]
+        if [start for _, start, _ in windows] != stops[:-1] or stops[-1] < ids.shape[1]:
+            plan.problems.append(f"dry run: sequence parallel {size}: the ranks' windows "
+                                 f"{[(a, b) for _, a, b in windows]} do not tile the "
+                                 f"{ids.shape[1]} positions of a sequence (roles/parallel.py)")
+        shapes.append(tuple(windows[0][0]["input_ids"].shape))
     plan.lines.append(f"    micro-batches of a worst-case step ({g} x {k} sequences of "
                       f"{s.max_model_len} tokens): {len(shapes)} x {shapes[0]}"
                       f"{'' if len(set(shapes)) == 1 else f' .. {shapes[-1]}'}")

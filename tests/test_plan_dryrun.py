@@ -57,6 +57,29 @@ def test_a_planner_that_drifts_from_the_code_is_refused(monkeypatch):
     assert make_plan(compose(["+experiment=tba_70b"]), PlanOptions(deepspeed=False)).fits  # no dry run
 
 
+def test_dry_run_splits_long_sequences_on_the_meta_device(monkeypatch):
+    from hpc_tba.roles import parallel
+
+    cfg = compose(["+experiment=tba_70b_long"])
+    plan = make_plan(cfg, DRY)
+    assert plan.fits, plan.problems
+    sp, length = cfg.learner.sequence_parallel_size, cfg.searcher.max_model_len
+    assert sp > 1 and any(f"(1, {-(-length // sp)})" in ln for ln in plan.lines
+                          if "micro-batches of a worst-case step" in ln)
+    seen = []
+    real = parallel.SequenceParallel.local_inputs
+
+    def broken(self, input_ids, pad_id=0):  # a split that drops the last rank's last position
+        seen.append(input_ids.device.type)
+        inputs, start, stop = real(self, input_ids, pad_id)
+        return inputs, start, stop - (self.rank == self.size - 1) * (1 + stop - length)
+
+    monkeypatch.setattr(parallel.SequenceParallel, "local_inputs", broken)
+    plan = make_plan(cfg, DRY)
+    assert set(seen) == {"meta"} and not plan.fits
+    assert any("do not tile" in p for p in plan.problems)
+
+
 def test_dry_run_reads_config_json_when_the_model_is_there(tmp_path):
     """A Qwen2-shaped config.json (q/k/v biases): the spec and the real transformers model agree."""
     (tmp_path / "config.json").write_text(json.dumps(dict(
