@@ -257,3 +257,34 @@ def test_bench_inflight_prints_its_figures():
                             "in_flight/bare-vllm tokens/s"}, out.stdout
     assert all(float(v) > 0 for v in figures.values()), out.stdout
     assert "| continuous" in out.stdout and "| bare-vllm" in out.stdout
+
+
+class _Tokenizer:
+    """The one engine method a Searcher's constructor calls."""
+
+    def tokenize(self, texts):
+        return [[ord(c) for c in t] for t in texts]
+
+
+def test_generation_auto_is_continuous_with_in_flight_updates_and_an_async_learner(tmp_path):
+    from hpc_tba.config import SearcherConfig, TaskConfig
+    from hpc_tba.roles.searcher import Searcher
+    from hpc_tba.tasks import build_task
+    from hpc_tba.topology import Topology
+
+    def continuous(quota=None, **kw):
+        s = Searcher(cfg=SearcherConfig(**kw), task=build_task(TaskConfig()), engine=_Tokenizer(),
+                     receiver=None, transport=None, topo=Topology.build(3, 2, 1), index=0,
+                     run_dir=str(tmp_path), on_policy_quota=quota)
+        s.log.close()
+        return s.continuous
+
+    assert SearcherConfig().generation == "auto"
+    assert continuous(update="in_flight") and continuous(update="in_flight", generation="continuous")
+    assert not continuous()  # between-rounds updates: a response never mixes versions
+    assert not continuous(update="in_flight", generation="rounds")
+    assert not continuous({0: 1, 1: 1}, update="in_flight")  # learner.mode=sync: one batch per version
+    with pytest.raises(ValueError, match="learner.mode=sync"):
+        continuous({0: 1, 1: 1}, update="in_flight", generation="continuous")
+    with pytest.raises(ValueError, match="auto, rounds or continuous"):
+        SearcherConfig(generation="always")

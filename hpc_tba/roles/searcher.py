@@ -34,9 +34,10 @@ A batch's `policy_version` is the oldest version of its tokens, so the buffer's 
 never understated. `searcher.max_version_span` caps the versions one response may span (0 keeps
 all; responses over the cap are dropped and counted in `searcher/dropped_version_span`).
 
-Continuous generation (`searcher.generation=continuous`, with `update=in_flight`): no rounds;
-the engine keeps `prompts_per_round` groups running and each is sent as soon as it finishes
-(roles/continuous.py, this class's base).
+Continuous generation (`searcher.generation=continuous`, or `auto` with `update=in_flight` and
+an asynchronous learner): no rounds; the engine keeps `prompts_per_round` groups running and
+each is sent as soon as it finishes (roles/continuous.py, this class's base). `generation=auto`
+with between-rounds updates, or with `learner.mode=sync`, generates in rounds.
 
 Each round logs where the searcher's time went (`util/generate`, `util/apply`, `util/eval`,
 `util/wait`; roles.logging.Timers).
@@ -111,8 +112,9 @@ class Searcher(ContinuousGeneration):
         self.probe: tuple[list[int], list[int]] | None = None  # set when the run checks syncs
         self.resumed = False  # a resumed run: the starting weights are not the run's version 0
         self.log = RunLogger(run_dir, f"searcher{index}")
-        self.continuous = cfg.generation == "continuous"
-        if self.continuous and on_policy_quota is not None:
+        self.continuous = cfg.generation == "continuous" or (
+            cfg.generation == "auto" and cfg.update == "in_flight" and on_policy_quota is None)
+        if cfg.generation == "continuous" and on_policy_quota is not None:
             raise ValueError("learner.mode=sync generates one batch per weight version: it needs "
                              "searcher.generation=rounds, not continuous")
         self._stopping = False  # STOP has arrived (continuous: drain, then finish)
