@@ -448,6 +448,10 @@ def _report(args, rows: dict, bare: dict) -> None:
           f"{same[0]['tokens_per_s']:.0f} and {same[1]['tokens_per_s']:.0f} tokens/s; per CPU-second of the "
           f"process, less sensitive to a shared machine's load: {cont['tokens_per_cpu_s'] / bare_cpu:.3f}; "
           f"against bare vLLM in its own process: {cont['tokens_per_s'] / bare['tokens_per_s']:.3f})")
+    util = [b["tokens_per_s"] / b["tokens_per_cpu_s"] for b in (cont, *same)]
+    print(f"(CPU-seconds per wall second of the process: continuous {util[0]:.2f}, bare before "
+          f"{util[1]:.2f}, after {util[2]:.2f}; the tokens/s ratio holds only where all are near 1: "
+          "below, other jobs took the CPU from that window)")
 
 
 if __name__ == "__main__":
