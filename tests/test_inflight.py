@@ -159,6 +159,8 @@ def test_long_prompt_skipped_and_counted_and_version_span_cap(tmp_path, model_pa
         assert s.engine.updates_in_flight == 1
         kept = sum(b.num_responses for b in s.transport.sent)
         assert s.dropped_span > 0 and kept + s.dropped_span == 3 * 2
+        # given up at the update, not re-prefilled: only samples with no token yet were re-added
+        assert s.engine.step_stats.reprefill_tokens <= 3 * (len(s.tokens[1]) + len(s.tokens[3]))
         assert all(len(np.unique(v)) == 1 for b in s.transport.sent
                    for v in np.split(b.versions(), np.cumsum(b.lengths)[:-1]))
     finally:

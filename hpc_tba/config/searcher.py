@@ -21,11 +21,12 @@ class SearcherConfig:
     """When an engine applies a new weight version: between_rounds (a response never mixes
     versions) or in_flight (running requests continue on the new weights between decode steps;
     every response token carries the version that produced it)."""
-    generation: str = "rounds"
-    """rounds (an engine admits a round's prompts and drains them before the next) or continuous
+    generation: str = "auto"
+    """rounds (an engine admits a round's prompts and drains them before the next), continuous
     (the engine keeps prompts_per_round groups running and admits the next prompt whenever one
     finishes; each group is sent as soon as it is complete; needs update=in_flight and
-    learner.mode=async)."""
+    learner.mode=async), or auto: continuous with update=in_flight and an asynchronous learner,
+    rounds otherwise (between-rounds updates; learner.mode=sync, one batch per version)."""
     max_sends_in_flight: int = 64
     """continuous: no new prompt is admitted while this many of the searcher's trajectory sends
     are still in flight (not yet taken by the buffer's rank: back-pressure); 0: no bound."""
@@ -73,8 +74,8 @@ class SearcherConfig:
             raise ValueError(f"searcher.tensor_parallel_size={self.tensor_parallel_size} must be >= 1")
         if self.update not in ("between_rounds", "in_flight"):
             raise ValueError(f"searcher.update={self.update!r} must be between_rounds or in_flight")
-        if self.generation not in ("rounds", "continuous"):
-            raise ValueError(f"searcher.generation={self.generation!r} must be rounds or continuous")
+        if self.generation not in ("auto", "rounds", "continuous"):
+            raise ValueError(f"searcher.generation={self.generation!r} must be auto, rounds or continuous")
         if self.generation == "continuous" and self.update != "in_flight":
             raise ValueError("searcher.generation=continuous applies new weights between decode steps: "
                              f"it needs searcher.update=in_flight, not {self.update!r}")

@@ -64,6 +64,7 @@ import glob
 import itertools
 import os
 import signal
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
@@ -154,6 +155,7 @@ class VLLMEngine:
         self._shm_ident: str | None = None  # CPU tensor parallelism: vLLM's shared-memory prefix
         self._request_ids = itertools.count()
         self.updates_in_flight = 0  # versions applied while requests were running
+        self.step_stats = StepStats()  # what generate's step loop did (benchmarks, logs)
         self.min_tokens = 0  # benchmarks: no EOS before this many tokens (fixed-length responses)
         # benchmarks and tests, continuous generation: a response length per prompt (EOS masked
         # until then, the budget cut there), so groups of one batch finish at chosen times
@@ -312,10 +314,13 @@ class VLLMEngine:
                 groups.remove(g)
             return [g.result() for g in done]
 
+        stats = self.step_stats
         try:
             with self._engine_errors():
                 admit()
                 while runs:
+                    stats.steps += 1
+                    stats.running += len(runs)
                     for out in engine.step():
                         runs[out.request_id].extend(out.outputs[0], self.version, finished=out.finished)
                         if out.finished:
@@ -325,12 +330,15 @@ class VLLMEngine:
                         running = list(runs)
                         engine.abort_request(running)
                         aborted = [runs.pop(rid) for rid in running]
+                        t0 = time.perf_counter()
                         apply()  # load_weights: new version, prefix cache reset (nothing is running)
+                        stats.apply_s += time.perf_counter() - t0
                         self.updates_in_flight += 1
                         for run in aborted:  # continued on the new weights, or given up (span cap)
                             if max_version_span and len(set(run.versions)) >= max_version_span:
                                 run.finished = run.dropped = True
                             else:
+                                stats.reprefill_tokens += len(run.prompt) + len(run.tokens)
                                 add(run)
                         yield from finished()
                     admit()
@@ -436,6 +444,16 @@ def _default_group_kept(keep: bool):
 
     with mock.patch.object(ps, "destroy_distributed_environment", destroy_vllm_world):
         yield
+
+
+@dataclasses.dataclass
+class StepStats:
+    """Counters of `VLLMEngine.generate`'s step loop, summed over every call (never reset)."""
+
+    steps: int = 0  # engine steps taken
+    running: int = 0  # requests running at the start of each step, summed (/ steps: the batch)
+    apply_s: float = 0.0  # seconds inside apply() (the engine paused for a weight update)
+    reprefill_tokens: int = 0  # prompt + generated tokens of the continuations after updates
 
 
 @dataclasses.dataclass
