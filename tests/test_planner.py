@@ -149,9 +149,9 @@ def test_reference_is_counted_only_when_the_loss_needs_one():
 
 
 @pytest.mark.parametrize("overrides, mode, device_buckets, host_versions", [
-    ([], "host", 1, 1),  # auto: 16 GB do not fit in the 4 GB beside vLLM's 85%
-    (["searcher.gpu_memory_utilization=0.5"], "device", None, 0),  # auto: 32 GB left, the version fits
-    (["searcher.staging=stream"], "stream", 3, 0),  # 2 buckets, 3 while a loader holds both
+    ([], "stream", 3, 0),  # auto is stream: 2 buckets, 3 while a loader holds both
+    (["searcher.staging=device", "searcher.gpu_memory_utilization=0.5"], "device", None, 0),
+    (["searcher.staging=stream"], "stream", 3, 0),
     (["searcher.staging=host"], "host", 1, 1),
 ])
 def test_staging_sizes_per_mode(overrides, mode, device_buckets, host_versions):
@@ -169,7 +169,9 @@ def test_staging_that_cannot_fit_is_refused():
     plan = make_plan(compose(["+experiment=tba_70b", "searcher.staging=device"]), FAST)
     assert not plan.fits
     assert any("searcher.staging=device needs" in p and "staging=host or stream" in p for p in plan.problems)
-    host = make_plan(compose(["+experiment=tba_70b", "cluster.cpu_memory_gb=200"]), FAST)
+    host = make_plan(compose(["+experiment=tba_70b", "searcher.engine_process=false",
+                              "searcher.tensor_parallel_size=1", "searcher.staging=host",
+                              "cluster.cpu_memory_gb=200"]), FAST)
     assert any("searcher.staging=stream" in p for p in host.problems), host.problems
 
 

@@ -368,6 +368,16 @@ class VLLMEngine:
         bucket by bucket: nothing here holds more than the loader asks for) and adopt `version`."""
         if version < self.version:
             raise ValueError(f"weight version went backwards: {self.version} -> {version}")
+        from hpc_tba.comm.weight_sync import WorkerVersion
+
+        if isinstance(named_tensors, WorkerVersion):  # the workers receive it from the learner
+            from hpc_tba.engine.worker_sync import load_version
+
+            with self._engine_errors():
+                self.last_worker_stats = load_version(self._rpc, named_tensors)
+                self.llm.reset_prefix_cache()
+            self.version = version
+            return
         named_tensors = self.engine_names(named_tensors)
         with self._engine_errors():
             if self.in_process:
@@ -379,6 +389,15 @@ class VLLMEngine:
                 self.channel.send(named_tensors)
             self.llm.reset_prefix_cache()
         self.version = version
+
+    def join_weight_sync(self, slot, manifest) -> None:
+        """Out of process: the workers join the learner's broadcast (engine/worker_sync.py)."""
+        from hpc_tba.engine.worker_sync import join_workers
+
+        if self.in_process:
+            raise ValueError("an in-process engine takes its weights from the searcher's receiver")
+        with self._engine_errors():
+            join_workers(self._rpc, slot, manifest, self.engine_names.mapping)
 
     def _sample(self, completion) -> Sample:
         tokens = np.asarray(completion.token_ids, dtype=np.int32)

@@ -51,12 +51,13 @@ from hpc_tba.comm.weight_sync.receiver import (
     StagedWeights,
     StreamedWeights,
     WeightReceiver,
+    WorkerVersion,
     resolve_staging,
     staging_bytes,
 )
 from hpc_tba.comm.weight_sync.sender import WeightSender
 
 __all__ = ["FLAG_EVAL", "FLAG_STOP", "GROUP_TIMEOUT_S", "STAGING_MODES", "WIRE_DTYPES", "Manifest",
-           "StagedWeights", "StreamedWeights", "WeightReceiver", "WeightSender", "broadcast_async",
+           "StagedWeights", "StreamedWeights", "WeightReceiver", "WeightSender", "WorkerVersion", "broadcast_async",
            "attach_store", "new_group", "post_header", "resolve_staging", "staging_bytes",
            "stop_receivers", "wait_header", "wait_host", "wire_dtype_name"]
