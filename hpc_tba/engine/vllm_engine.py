@@ -368,25 +368,19 @@ class VLLMEngine:
         bucket by bucket: nothing here holds more than the loader asks for) and adopt `version`."""
         if version < self.version:
             raise ValueError(f"weight version went backwards: {self.version} -> {version}")
-        from hpc_tba.comm.weight_sync import WorkerVersion
+        from hpc_tba.engine import worker_sync
 
-        if isinstance(named_tensors, WorkerVersion):  # the workers receive it from the learner
-            from hpc_tba.engine.worker_sync import load_version
-
-            with self._engine_errors():
-                self.last_worker_stats = load_version(self._rpc, named_tensors)
-                self.llm.reset_prefix_cache()
-            self.version = version
-            return
-        named_tensors = self.engine_names(named_tensors)
         with self._engine_errors():
             if self.in_process:
                 from hpc_tba.models.naming import refresh_tied_heads
 
-                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors})
+                self.llm.collective_rpc("reload_weights",
+                                        kwargs={"weights_iterator": self.engine_names(named_tensors)})
                 self.llm.apply_model(refresh_tied_heads)  # a tied head's CPU copy is stale otherwise
-            else:  # through the per-engine channel into the workers (worker_ext.py)
-                self.channel.send(named_tensors)
+            elif worker_sync.is_worker_version(named_tensors):  # the workers receive it themselves
+                self.last_worker_stats = worker_sync.load_version(self._rpc, named_tensors)
+            else:  # handed over: through the per-engine channel into the workers (worker_ext.py)
+                self.channel.send(self.engine_names(named_tensors))
             self.llm.reset_prefix_cache()
         self.version = version
 
@@ -394,10 +388,7 @@ class VLLMEngine:
         """Out of process: the workers join the learner's broadcast (engine/worker_sync.py)."""
         from hpc_tba.engine.worker_sync import join_workers
 
-        if self.in_process:
-            raise ValueError("an in-process engine takes its weights from the searcher's receiver")
-        with self._engine_errors():
-            join_workers(self._rpc, slot, manifest, self.engine_names.mapping)
+        join_workers(self._rpc, slot, manifest, self.engine_names.mapping, in_process=self.in_process)
 
     def _sample(self, completion) -> Sample:
         tokens = np.asarray(completion.token_ids, dtype=np.int32)

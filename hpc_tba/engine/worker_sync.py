@@ -46,9 +46,19 @@ def worker_sync_bytes(manifest: Manifest, layer_bytes: int) -> int:
     return max((WORKER_LIVE_BUCKETS + 1) * bucket, layer_bytes + bucket)
 
 
-def join_workers(rpc: Callable[..., list], slot, manifest: Manifest, names: dict[str, str]) -> None:
+def is_worker_version(tensors) -> bool:
+    """Whether `load_weights` was handed a version the workers receive themselves."""
+    from hpc_tba.comm.weight_sync import WorkerVersion
+
+    return isinstance(tensors, WorkerVersion)
+
+
+def join_workers(rpc: Callable[..., list], slot, manifest: Manifest, names: dict[str, str], *,
+                 in_process: bool = False) -> None:
     """Searcher side: every worker of the engine joins `slot`'s group (in the background: the
     learner builds its end at its next sync). `names`: learner name -> the name vLLM loads."""
+    if in_process:
+        raise ValueError("an in-process engine takes its weights from the searcher's receiver")
     ranks = rpc("hpc_tba_join_sync", **slot.join_args(), manifest=manifest.to_json(),
                 names=dict(names))
     if sorted(ranks) != list(range(1, slot.tp + 1)):
@@ -213,6 +223,8 @@ class _VersionReceiver:
             try:
                 item = self._ready.get(timeout=0.05)
             except queue.Empty:
+                if self.error is not None:
+                    raise RuntimeError(f"engine weight sync: receiving failed: {self.error}") from self.error
                 with self._cond:
                     if self._blocked:  # the thread waits for room while the loader holds all
                         self._overdraft = True

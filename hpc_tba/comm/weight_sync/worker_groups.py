@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import datetime
 import threading
+import time
 
 import torch
 
@@ -144,7 +145,7 @@ class EngineGroups:
         self.backend = _backend(pg)
         self.join_wait_s = join_wait_s
         self._groups: dict[int, tuple[int, object]] = {}  # searcher -> (gen, group)
-        self._building: dict[int, tuple[int, threading.Thread, dict]] = {}
+        self._building: dict[int, tuple[int, threading.Thread, dict]] = {}  # groups being joined
         self.registered: set[int] = set()
         self.failures: list[str] = []
 
@@ -160,7 +161,7 @@ class EngineGroups:
             if gen > have and self._building.get(i, (-1,))[0] != gen:
                 self._start(i, gen, tp)
         for i, (gen, thread, out) in list(self._building.items()):
-            thread.join(self.join_wait_s)
+            thread.join(max(0.0, out["deadline"] - time.monotonic()))  # once: at most join_wait_s
             if thread.is_alive():
                 continue  # still joining: a later version reaches it
             del self._building[i]
@@ -173,7 +174,7 @@ class EngineGroups:
     def _start(self, i: int, gen: int, tp: int) -> None:
         import torch.distributed as dist
 
-        out: dict = {}
+        out: dict = {"deadline": time.monotonic() + self.join_wait_s}
         store = dist.PrefixStore(_PREFIX.format(i, gen), self.store)
 
         def build() -> None:
