@@ -254,5 +254,9 @@ class _VersionReceiver:
             del buf, view
         self._next(version)  # the end marker
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Leave: the thread ends at its next poll for a decision (within a second) and the
+        group goes with it (a process that exits with the thread inside a store wait aborts)."""
         self._stopped = True
+        self._thread.join(timeout_s)
+        self.group = None

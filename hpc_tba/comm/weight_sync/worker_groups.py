@@ -50,6 +50,16 @@ def _backend(pg) -> str:
     return "gloo" if isinstance(pg, dist.ProcessGroupGloo) else "nccl"
 
 
+def _client(store):
+    """A connection of its own to the sync group's store: a TCPStore client serializes its
+    operations, and the receiver's thread sits in a blocking `wait` for the next header (up to a
+    minute), which would hold every registration or decision made on the same connection."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(store.host, store.port, is_master=False,
+                         timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
+
+
 def build_group(store, rank: int, size: int, backend: str, timeout_s: float = GROUP_TIMEOUT_S):
     """A process group on `store` (a PrefixStore): gloo or NCCL, the same timeout for both."""
     import torch.distributed as dist
@@ -97,7 +107,7 @@ class EngineSlot:
 def register_engine(pg, *, tp: int) -> EngineSlot:
     """Searcher side: announce an engine of `tp` workers on the sync group's store (a fresh
     generation); its workers then join with `join_store` + `build_group(rank=1 + tp rank)`."""
-    store = _store_of(pg)[0]
+    store = _client(_store_of(pg)[0])
     index = pg.rank() - 1
     gen = int(store.add(_GEN.format(index), 1)) - 1
     slot = EngineSlot(store, index=index, gen=gen, tp=tp, host=store.host, port=store.port,
@@ -140,7 +150,7 @@ class EngineGroups:
     replaced when that engine is rebuilt (a new generation)."""
 
     def __init__(self, pg, *, join_wait_s: float = JOIN_WAIT_S):
-        self.pg, self.store = pg, _store_of(pg)[0]
+        self.pg, self.store = pg, _client(_store_of(pg)[0])
         self.searchers = pg.size() - 1
         self.backend = _backend(pg)
         self.join_wait_s = join_wait_s
@@ -175,7 +185,7 @@ class EngineGroups:
         import torch.distributed as dist
 
         out: dict = {"deadline": time.monotonic() + self.join_wait_s}
-        store = dist.PrefixStore(_PREFIX.format(i, gen), self.store)
+        store = dist.PrefixStore(_PREFIX.format(i, gen), _client(self.store))  # its own waits
 
         def build() -> None:
             try:
