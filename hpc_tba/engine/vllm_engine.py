@@ -389,6 +389,7 @@ class VLLMEngine:
         from hpc_tba.engine.worker_sync import join_workers
 
         join_workers(self._rpc, slot, manifest, self.engine_names.mapping, in_process=self.in_process)
+        self._joined_sync = True
 
     def _sample(self, completion) -> Sample:
         tokens = np.asarray(completion.token_ids, dtype=np.int32)
@@ -412,6 +413,9 @@ class VLLMEngine:
             watchdog.stop()
         if channel is not None:
             channel.close()
+        if getattr(self, "_joined_sync", False) and llm is not None and watchdog.died is None:
+            with contextlib.suppress(Exception):  # the workers' threads leave the learner's store
+                llm.collective_rpc("hpc_tba_leave_sync")
         try:
             if llm is not None:
                 with _default_group_kept(getattr(self, "_foreign_default_group", False)):
