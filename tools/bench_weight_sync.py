@@ -214,7 +214,8 @@ class _StandInWorker:
             self.params[name].copy_(t)
 
     def raw(self, numel: int, repeats: int) -> None:
-        """The raw baseline: flat broadcasts of `numel` fp32 on the engine group itself."""
+        """The raw baseline: `repeats` + 1 flat broadcasts of `numel` fp32 on the engine group
+        itself, into one buffer allocated (and faulted in) before the first."""
         from hpc_tba.comm.weight_sync import broadcast_async
 
         buf = torch.zeros(numel)
@@ -314,20 +315,20 @@ def _engine_worker(rank: int, args, ports: list[int], shapes, bucket: int, out) 
             times.append(time.perf_counter() - t0)
     # raw: one flat broadcast of the same bytes, on the engine group (learner -> both workers)
     # and, for reference, on the sync group (learner -> the searcher's process)
+    # (timed on the learner, each after the workers' buffer exists: the best that group can do)
     raws, raws_sync = [], []
+    _barrier(ctl)
     if rank == 0:
         [(_, group)] = sender.engines.groups()
         flat = torch.randn(m.numel)
-    for r in range(args.repeats + 1):
-        _barrier(ctl)
-        t0 = time.perf_counter()
-        if rank == 0:
+        for r in range(args.repeats + 1):
+            t0 = time.perf_counter()
             broadcast_async(group, flat).wait()
-        else:
-            engine.rpc("raw", numel=m.numel, repeats=0)
-        _barrier(ctl)
-        if r:
-            raws.append(time.perf_counter() - t0)
+            if r:
+                raws.append(time.perf_counter() - t0)
+    else:
+        engine.rpc("raw", numel=m.numel, repeats=args.repeats)
+    _barrier(ctl)
     buf = torch.zeros(m.numel) if rank else flat
     for r in range(args.repeats + 1):
         _barrier(ctl)
