@@ -22,6 +22,10 @@ class WeightSender:
     and minus the second copy into the flat buffer. Anything else (plain parameters, ZeRO++
     secondary partitions, quantized or offloaded shards, `direct_gather=False`) goes through
     `deepspeed.zero.GatheredParameters` and a pack.
+
+    Each bucket goes on the sync group (searchers whose engine runs in their process) and on
+    every joined engine group (out-of-process engines' workers, worker_groups.py); a broadcast to
+    an engine that died drops that engine's group, nothing else.
     """
 
     def __init__(self, module: torch.nn.Module, manifest: Manifest, group, *, device: str = "cpu",
