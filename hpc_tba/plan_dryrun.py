@@ -9,9 +9,10 @@ the plan is wrong exactly where it matters. The dry run builds the real model on
   staging slots (`WeightSender` allocates them on the model's device, meta here);
 - the learner's micro-batch split (`roles.microbatch.plan`) of a worst-case step (G x K sequences
   of max_model_len tokens) and its packing (`roles.policy.pack`) of each micro-batch;
-- the receiver's staging (`staging_bytes`, `resolve_staging` with the memory vLLM leaves);
-- out-of-process engines: the hop's own chunking (`engine.worker_ext._chunks`) of a streamed
-  version, bucket by bucket on the meta device: its largest chunk against the plan's;
+- the receiver's staging (`staging_bytes`, `resolve_staging`: auto is stream; nothing out of
+  process, where the receiver only decides);
+- out-of-process engines: each worker's receiving buffers (`engine.worker_sync.worker_sync_bytes`
+  on the real manifest and the model's largest layer) against the plan's row;
 - the export's layer groups (`checkpoint.layer_groups`: the most any rank gathers at the end).
 
 Each figure is printed next to the plan's and a mismatch is a problem (the plan is refused).
@@ -138,34 +139,25 @@ def _staging(plan: Plan, cfg: RunConfig, manifest) -> None:
 
     c, s = cfg.cluster, cfg.searcher
     device = "cuda" if c.gpus_per_node else "cpu"
-    left = int(c.gpu_memory_gb * 1e9 * (1 - s.gpu_memory_utilization))  # what vLLM leaves free
-    mode = resolve_staging(s.staging, device, manifest, free_bytes=left)
+    mode = resolve_staging(s.staging, device, manifest, update=s.update)
+    if s.engine_process:
+        mode = "stream"  # WeightReceiver.serve_engine: what the engine's workers do
     _check(plan, f"searcher.staging={s.staging} resolves to", plan.staging, mode)
     planned = plan.terms["staging_device"] + plan.terms["staging_host"]
-    _check(plan, f"receiver staging ({mode})", planned, staging_bytes(manifest, mode), "GiB")
+    # out of process the receiver only decides (serve_engine): the workers receive
+    code = 0 if s.engine_process else staging_bytes(manifest, mode)
+    _check(plan, f"receiver staging ({mode})", planned, code, "GiB")
 
 
-def _hop(plan: Plan, cfg: RunConfig, manifest) -> None:
-    """The engine hop's chunks of a streamed version (each bucket its own meta buffer)."""
-    import torch
-
-    from hpc_tba.engine.worker_ext import BUCKET_BYTES, _chunks
-    from hpc_tba.memory import HOP_CHUNK_BYTES
+def _workers(plan: Plan, cfg: RunConfig, manifest, layer_bytes: int) -> None:
+    """Out-of-process engines: each worker's receiving buffers (engine.worker_sync's own bound on
+    the manifest the learner builds), against the plan's row."""
+    from hpc_tba.engine.worker_sync import worker_sync_bytes
 
     if not cfg.searcher.engine_process:
         return
-    _check(plan, "engine hop chunk cap", HOP_CHUNK_BYTES, BUCKET_BYTES, "GiB")
-
-    def streamed():
-        for b in range(len(manifest.buckets)):
-            yield from manifest.bucket_views(b, torch.empty(manifest.bucket_numel(b), dtype=manifest.dtype,
-                                                            device="meta"))
-
-    def packed(numel, dtype):
-        return torch.empty(numel, dtype=dtype, device="meta")
-
-    largest = max(flat.numel() * flat.element_size() for _, flat, _ in _chunks(streamed(), BUCKET_BYTES, packed))
-    _check(plan, "engine hop: largest chunk", plan.terms["hop_chunk"], largest, "GiB")
+    _check(plan, "engine worker sync buffers (each worker)", plan.terms["sync_worker"],
+           worker_sync_bytes(manifest, layer_bytes), "GiB")
 
 
 def dry_run(plan: Plan, cfg: RunConfig, spec: ModelSpec) -> None:
@@ -182,7 +174,7 @@ def dry_run(plan: Plan, cfg: RunConfig, spec: ModelSpec) -> None:
     if cfg.cluster.num_searchers:
         manifest = _manifest(plan, cfg, model)
         _staging(plan, cfg, manifest)
-        _hop(plan, cfg, manifest)
+        _workers(plan, cfg, manifest, largest * manifest.dtype.itemsize)
     _micro_batches(plan, cfg)
     if cfg.learner.sequence_parallel_size > 1:  # the learner's own refusal, on the model's config
         from hpc_tba.roles import parallel

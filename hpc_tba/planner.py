@@ -35,8 +35,9 @@ Checkpoint (hpc_tba.plan_checkpoint): a save's size, footprint on the shared fil
   at `cluster.checkpoint_gb_per_s`; a USR1 grace shorter than a save is refused.
 Weight staging, per searcher (`searcher.staging`, hpc_tba.memory.staging_bytes): outside vLLM's
   share, i.e. in 90% of (1 - gpu_memory_utilization) x GPU, or in host memory per node. `auto`
-  resolves to device when the whole version fits there, else host (the receiver's own rule,
-  comm.weight_sync.resolve_staging, with the memory vLLM leaves).
+  is stream (comm.weight_sync.resolve_staging: a few buckets, never a version). Out-of-process
+  engines: nothing in the searcher's process; each engine worker receives the broadcast itself
+  (engine.worker_sync: max(3 buckets, a layer + a bucket) per worker, on its device).
 
 The ZeRO-3 model-state figure is printed next to DeepSpeed's own estimator
 (`estimate_zero3_model_states_mem_needs*`, which budgets 18 bytes/param and a 1.5x CPU factor).
@@ -53,7 +54,6 @@ from typing import TYPE_CHECKING
 
 from hpc_tba.memory import (
     DTYPE_BYTES,
-    HOP_CHUNK_BYTES,
     KNOWN_MODELS,
     ModelSpec,
     Plan,
@@ -167,29 +167,26 @@ def _staging(plan: Plan, cfg: RunConfig, spec: ModelSpec, gpus: int) -> None:
     version, bucket = sum(plan.buckets), max(plan.buckets)
     # what the receiver's resolve_staging compares with: 90% of the memory vLLM leaves free
     room = c.gpu_memory_gb * 1e9 * (1 - s.gpu_memory_utilization) * USABLE_FRACTION if gpus else 0.0
-    mode = s.staging
-    if mode == "auto" and s.update == "in_flight":  # resolve_staging's rule: nothing waits in memory
-        mode = "stream"
-    elif mode == "auto":
-        mode = "device" if gpus and staging_bytes("device", version_bytes=version,
-                                                  bucket_bytes=bucket).device_bytes <= room else "host"
+    # the receiver's resolve_staging: auto is stream (no process holds a whole version)
+    mode = "stream" if s.staging == "auto" or s.engine_process else s.staging
     st = staging_bytes(mode, version_bytes=version, bucket_bytes=bucket)
+    if s.engine_process:  # the engine's workers receive; the searcher's process holds no weights
+        st = dataclasses.replace(st, device_bytes=0, host_bytes=0)
     plan.lines.append(f"  weight staging, per searcher (searcher.staging={s.staging} -> {mode}; "
                       f"{len(plan.buckets)} buckets of <= {bucket / 2**20:.0f} MiB, {wire} on the wire):")
     dev = "GPU, beside vLLM's share" if gpus else "host memory (no GPU)"
     plan.row(f"staging on the device ({dev})", st.device_bytes, key="staging_device")
     plan.row("staging in pinned host memory", st.host_bytes, key="staging_host")
     plan.staging = mode
-    if gpus and st.device_bytes > room:
+    worker = _engine_workers(plan, cfg, spec, bucket, gpus)
+    if gpus and max(st.device_bytes, worker) > room:
         plan.problems.append(
-            f"searcher.staging={mode} needs {st.device_bytes / GiB:.1f} GiB on the engine's GPU "
+            f"searcher.staging={mode} needs {max(st.device_bytes, worker) / GiB:.1f} GiB on an engine GPU "
             f"beside vLLM's share, but {room / GiB:.1f} GiB are left ({USABLE_FRACTION:.0%} of "
             f"what gpu_memory_utilization {s.gpu_memory_utilization} leaves): use staging=host or "
             f"stream, a smaller learner.sync_bucket_mb, or lower searcher.gpu_memory_utilization")
     per_node = max(gpus // s.tensor_parallel_size, 1) if gpus else c.num_searchers
-    hop_workers, hop_searcher = _engine_hop(plan, cfg, spec, bucket, gpus)
-    host = (st.host_bytes + (0 if gpus else st.device_bytes) + hop_searcher
-            + s.tensor_parallel_size * hop_workers) * per_node
+    host = (st.host_bytes + (0 if gpus else st.device_bytes + s.tensor_parallel_size * worker)) * per_node
     if c.cpu_memory_gb and host > c.cpu_memory_gb * 1e9 * USABLE_FRACTION:
         plan.problems.append(
             f"weight staging needs {host / GiB:.1f} GiB of host memory per searcher node "
@@ -211,28 +208,24 @@ def check_grace(cfg: RunConfig) -> None:
         raise ValueError(refusal)
 
 
-def _engine_hop(plan: Plan, cfg: RunConfig, spec: ModelSpec, bucket: int, gpus: int) -> tuple[int, int]:
-    """Out-of-process engines: host bytes per engine worker and in the searcher's process for the
-    per-engine hop (engine.worker_ext): a chunk is at most HOP_CHUNK_BYTES of a bucket, or one
-    tensor larger than that; a worker keeps two chunk buffers alive (one loaded, one received),
-    three while its loader still holds the last tensor of both, or a whole layer and one chunk
-    while vLLM's layer-wise reload waits for a layer's last tensor;
-    the searcher packs one chunk into host memory when its buckets live on the GPU."""
+def _engine_workers(plan: Plan, cfg: RunConfig, spec: ModelSpec, bucket: int, gpus: int) -> int:
+    """Out-of-process engines: bytes per engine worker for the weight sync (engine.worker_sync):
+    each worker receives the learner's broadcast itself, on its own device (GPU beside vLLM's
+    share, host memory on CPU), bucket by bucket: two bucket buffers alive (one loaded, one
+    received), three while vLLM's loader still holds both, or a whole layer and one bucket while
+    its layer-wise reload waits for a layer's last tensor (worker_sync.worker_sync_bytes; the
+    dry run checks the two agree). A skipped version drains into one of them."""
     s = cfg.searcher
     if not s.engine_process:
-        return 0, 0
-    wire = DTYPE_BYTES[_wire(cfg)]
-    tensor = max(spec.embedding_params, spec.hidden_size * spec.intermediate_size) * wire
-    chunk = min(bucket, max(HOP_CHUNK_BYTES, tensor))
-    layer = spec.largest_layer_params * wire
-    worker = max(3 * chunk, layer + chunk)
-    searcher = chunk if gpus else 0
-    plan.terms["hop_chunk"] = chunk  # checked by the dry run against the hop's own chunking
-    plan.lines.append(f"  engine hop (engine_process, TP {s.tensor_parallel_size}): chunks of <= "
-                      f"{chunk / 2**20:.0f} MiB in host memory")
-    plan.row("hop buffers per engine worker (host)", worker, key="hop_worker")
-    plan.row("hop packing in the searcher process (host)", searcher, key="hop_searcher")
-    return worker, searcher
+        return 0
+    layer = spec.largest_layer_params * DTYPE_BYTES[_wire(cfg)]
+    worker = max(3 * bucket, layer + bucket)
+    plan.terms["worker_layer"] = layer
+    where = "GPU, beside vLLM's share" if gpus else "host memory"
+    plan.lines.append(f"  engine workers (engine_process, TP {s.tensor_parallel_size}) receive the "
+                      f"broadcast themselves; the searcher's process holds no weights:")
+    plan.row(f"weight-sync buffers per engine worker ({where})", worker, key="sync_worker")
+    return worker
 
 
 def make_plan(cfg: RunConfig, opt: PlanOptions = PlanOptions()) -> Plan:

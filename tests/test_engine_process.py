@@ -15,6 +15,7 @@ import time
 
 import pytest
 import torch
+from test_worker_sync import largest_layer, learner_sync
 
 from hpc_tba.comm.weight_sync import Manifest
 from hpc_tba.engine.worker_ext import EngineWeightChannel, WeightHopExtension
@@ -296,20 +297,20 @@ def test_out_of_process_engine_matches_transformers_and_the_in_process_engine(
         # one tensor per bucket: as many buckets as the model has tensors (32+ is covered with
         # stand-in workers above and in tools/bench_weight_sync.py)
         assert outproc.version == 4 and nb == len(new_weights) > 8 and live == [1]
-        import re
-
         largest = max(t.numel() * t.element_size() for _, t in new_weights)
-        layers: dict[str, int] = {}
-        for n, t in new_weights:  # vLLM's layer-wise reload holds a layer's tensors until it is whole
-            key = re.sub(r"^(.*?layers\.\d+)\..*", r"\1", n)
-            layers[key] = layers.get(key, 0) + t.numel() * t.element_size()
-        bound = max(3 * largest, max(layers.values()) + largest)  # the planner's hop_worker rule
+        bound = max(3 * largest, largest_layer(new_weights) + largest)  # the old hop's rule
         peaks = [st["peak_bytes"] for st in outproc.channel.last_worker_stats]
         print(f"\nTP=2 stream of {nb} buckets: worker peak chunk bytes {peaks} (bound {bound}: "
               f"2 x {largest} or a layer + a chunk), ru_maxrss growth "
               f"{[st['maxrss_growth_bytes'] for st in outproc.channel.last_worker_stats]} B")
         assert len(peaks) == 2 and all(p <= bound for p in peaks), peaks
         assert torch.equal(logp_staged, logp_out)
+        # the sync path: the workers receive the learner's broadcast themselves (worker_sync.py)
+        _timed_load(outproc, [(n, t * 0.5) for n, t in new_weights], 5)
+        logp_sync, sync_peaks, sync_bound = learner_sync(outproc, new_weights, 6, _score)
+        print(f"learner -> TP=2 workers, {nb} buckets: worker peaks {sync_peaks} B (bound {sync_bound})")
+        assert all(p <= sync_bound for p in sync_peaks), sync_peaks
+        assert torch.equal(logp_sync, logp_out)  # the same weights by either path
     finally:
         outproc.close()
     print(f"\nengine build: in-process {build_in:.1f} s, out of process (TP 2) {build_out:.1f} s; "

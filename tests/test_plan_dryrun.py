@@ -35,7 +35,7 @@ def test_70b_dry_run_agrees_with_the_plan_in_seconds(capsys):
 
 @pytest.mark.parametrize("overrides", [
     ["+experiment=tba_8b"],
-    ["+experiment=tba_8b", "searcher.gpu_memory_utilization=0.5"],  # auto -> device staging
+    ["+experiment=tba_8b", "searcher.staging=device", "searcher.gpu_memory_utilization=0.5"],
     ["+experiment=tba_8b", "searcher.staging=stream", "learner.micro_batch_size=0"],  # K per micro-batch
     [],  # the embedded CPU config
 ])

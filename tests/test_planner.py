@@ -106,7 +106,10 @@ def test_70b_preset_prints_activation_logit_and_staging_memory(capsys):
         assert label in out, label
     plan = make_plan(compose(["+experiment=tba_70b"]), FAST)
     assert (plan.micro_batch, plan.micro_batch_tokens) == (8, 8 * 1024)  # the preset's micro batch
-    assert plan.staging == "host"  # 141 GB of bf16 weights do not fit beside vLLM on 80 GB
+    # TP 4 out of process: the workers stream; no whole version anywhere on a searcher node
+    assert plan.staging == "stream" and plan.terms["staging_device"] == plan.terms["staging_host"] == 0
+    bucket = max(plan.buckets)
+    assert plan.terms["sync_worker"] == max(3 * bucket, plan.terms["worker_layer"] + bucket)
 
 
 def test_70b_without_checkpointing_is_refused_naming_the_reason(capsys):
@@ -149,9 +152,9 @@ def test_reference_is_counted_only_when_the_loss_needs_one():
 
 
 @pytest.mark.parametrize("overrides, mode, device_buckets, host_versions", [
-    ([], "host", 1, 1),  # auto: 16 GB do not fit in the 4 GB beside vLLM's 85%
-    (["searcher.gpu_memory_utilization=0.5"], "device", None, 0),  # auto: 32 GB left, the version fits
-    (["searcher.staging=stream"], "stream", 3, 0),  # 2 buckets, 3 while a loader holds both
+    ([], "stream", 3, 0),  # auto is stream: 2 buckets, 3 while a loader holds both
+    (["searcher.staging=device", "searcher.gpu_memory_utilization=0.5"], "device", None, 0),
+    (["searcher.staging=stream"], "stream", 3, 0),
     (["searcher.staging=host"], "host", 1, 1),
 ])
 def test_staging_sizes_per_mode(overrides, mode, device_buckets, host_versions):
@@ -166,11 +169,14 @@ def test_staging_sizes_per_mode(overrides, mode, device_buckets, host_versions):
 
 
 def test_staging_that_cannot_fit_is_refused():
-    plan = make_plan(compose(["+experiment=tba_70b", "searcher.staging=device"]), FAST)
+    # in process (out of process the workers stream whatever staging says): 16 GB of bf16 8B
+    # weights do not fit in the 4 GB beside vLLM's 85%, nor 8 searchers' versions in 64 GB
+    plan = make_plan(compose(["+experiment=tba_8b", "searcher.staging=device"]), FAST)
     assert not plan.fits
     assert any("searcher.staging=device needs" in p and "staging=host or stream" in p for p in plan.problems)
-    host = make_plan(compose(["+experiment=tba_70b", "cluster.cpu_memory_gb=200"]), FAST)
+    host = make_plan(compose(["+experiment=tba_8b", "searcher.staging=host", "cluster.cpu_memory_gb=64"]), FAST)
     assert any("searcher.staging=stream" in p for p in host.problems), host.problems
+    assert make_plan(compose(["+experiment=tba_70b", "searcher.staging=device"]), FAST).fits
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -17,12 +17,14 @@ bucket size it times, on that same group:
 Both are bracketed by the same barrier on a separate control group; the ratio is raw_s / sync_s
 (goal >= 0.8). Medians of `--repeats` after two warm-up syncs (they allocate the staging buffers).
 Then, for out-of-process engines (`--engine-buckets`, default 48 buckets; `--engine-params`):
-learner -> one searcher process (stream staging) -> the per-engine channel -> two engine worker
-processes (tensor parallel 2, `WeightHopExtension` with a stand-in loader that copies each tensor
-into its parameter: vLLM's own loader is not part of the hop), and prints
+the learner's `WeightSender` -> two engine worker processes (tensor parallel 2, the real worker
+extension with a stand-in loader that copies each tensor into its parameter: vLLM's own loader
+is not timed) that receive every bucket themselves on their engine group, while the searcher's
+`WeightReceiver` (serve_engine) only decides and asks them to load; it prints
 
     engine-process sync peak/bucket = X   (most bucket-sized buffers alive in any one process)
-    engine-process sync / raw broadcast = Y   (raw s / engine-process sync s)
+    engine-process sync / raw broadcast = Y   (raw s / engine-process sync s; raw: one flat
+        broadcast of the same bytes on the same engine group, learner -> both workers)
 
 It ends with the analytic time of a 70B bf16 sync over InfiniBand.
 """
@@ -191,8 +193,9 @@ def _print_row(mb, nb, nbytes, sync_s, raw_s, pack_s, wait_s, exact) -> None:
           f"| {'yes' if exact else 'NO':>9} |", flush=True)
 
 
-class _HopWorker:
-    """A stand-in engine worker: the real `WeightHopExtension`, a copying `reload_weights`."""
+class _StandInWorker:
+    """A stand-in engine worker: the real worker extension (`WeightHopExtension`, whose
+    `WorkerSyncMixin` joins the learner's broadcast), a copying `reload_weights`."""
 
     def __init__(self, rank: int, shapes):
         from hpc_tba.engine.worker_ext import WeightHopExtension
@@ -204,96 +207,148 @@ class _HopWorker:
         self.w.rank = rank
         self.params = {n: torch.zeros(s) for n, s in shapes}
         self.w.reload_weights = self.reload_weights
+        self.w.raw = self.raw
 
     def reload_weights(self, weights_iterator) -> None:
         for name, t in weights_iterator:
             self.params[name].copy_(t)
 
+    def raw(self, numel: int, repeats: int) -> None:
+        """The raw baseline: `repeats` + 1 flat broadcasts of `numel` fp32 on the engine group
+        itself, into one buffer allocated (and faulted in) before the first."""
+        from hpc_tba.comm.weight_sync import broadcast_async
 
-def _serve_hop(rank: int, conn, shapes) -> None:
+        buf = torch.zeros(numel)
+        for _ in range(repeats + 1):
+            broadcast_async(self.w._hpc_tba_sync.group, buf).wait()
+
+
+def _serve_worker(rank: int, conn, shapes) -> None:
     torch.set_num_threads(1)
-    worker = _HopWorker(rank, shapes)
+    worker = _StandInWorker(rank, shapes)
     while (msg := conn.recv()) is not None:
         method, kwargs = msg
         conn.send(getattr(worker.w, method)(**kwargs))
 
 
-def _engine_worker(rank: int, args, ports: list[int], shapes, bucket: int, out) -> None:
-    """Rank 0: the learner (a flat version, broadcast bucket by bucket); rank 1: the searcher,
-    forwarding each streamed bucket to its two engine workers."""
-    import multiprocessing
+class _StandInEngine:
+    """Two worker processes and a `collective_rpc` over pipes: what `WeightReceiver.serve_engine`
+    and `VLLMEngine.load_weights` use of an out-of-process engine."""
 
-    from hpc_tba.comm.weight_sync import (
-        Manifest,
-        WeightReceiver,
-        broadcast_async,
-        new_group,
-        post_header,
-        stop_receivers,
-    )
-    from hpc_tba.engine.worker_ext import EngineWeightChannel
+    in_process = False
+
+    class cfg:  # noqa: N801 - SearcherConfig's field
+        tensor_parallel_size = 2
+
+    def __init__(self, shapes):
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        pipes = [ctx.Pipe() for _ in range(2)]
+        self.conns = [a for a, _ in pipes]
+        self.procs = [ctx.Process(target=_serve_worker, args=(r, b, shapes), daemon=True)
+                      for r, (_, b) in enumerate(pipes)]
+        for p in self.procs:
+            p.start()
+
+    def rpc(self, method, **kwargs):
+        for c in self.conns:
+            c.send((method, kwargs))
+        return [c.recv() for c in self.conns]
+
+    def join_weight_sync(self, slot, manifest) -> None:
+        from hpc_tba.engine.worker_sync import join_workers
+
+        join_workers(self.rpc, slot, manifest, {})
+
+    def close(self) -> None:
+        self.rpc("hpc_tba_leave_sync")
+        for c, p in zip(self.conns, self.procs):
+            c.send(None)
+            p.join(timeout=30)
+
+
+class _Flat(torch.nn.Module):
+    """The learner's model for the out-of-process rows: plain parameters of the given shapes."""
+
+    def __init__(self, shapes):
+        super().__init__()
+        self.names = [n for n, _ in shapes]
+        for i, (_, s) in enumerate(shapes):
+            self.register_parameter(f"p{i}", torch.nn.Parameter(torch.randn(s)))
+
+    def named_parameters(self, *args, **kwargs):
+        return zip(self.names, (p for _, p in super().named_parameters()))
+
+
+def _engine_worker(rank: int, args, ports: list[int], shapes, bucket: int, out) -> None:
+    """Rank 0: the learner (`WeightSender`); rank 1: the searcher (`WeightReceiver` serving a
+    TP=2 stand-in engine whose workers receive every bucket themselves)."""
+    from hpc_tba.comm.weight_sync import Manifest, WeightReceiver, WeightSender, broadcast_async, new_group
+    from hpc_tba.engine.worker_sync import load_version
 
     torch.set_num_threads(1)
     m = Manifest.build(shapes, bucket_bytes=bucket)
     sync = new_group(host="127.0.0.1", port=ports[0], rank=rank, size=2, backend="gloo")
     ctl = new_group(host="127.0.0.1", port=ports[1], rank=rank, size=2, backend="gloo")
     if rank == 1:
-        ctx = multiprocessing.get_context("spawn")
-        pipes = [ctx.Pipe() for _ in range(2)]
-        procs = [ctx.Process(target=_serve_hop, args=(r, b, shapes), daemon=True)
-                 for r, (_, b) in enumerate(pipes)]
-        for p in procs:
-            p.start()
-
-        def rpc(method, **kwargs):
-            for a, _ in pipes:
-                a.send((method, kwargs))
-            return [a.recv() for a, _ in pipes]
-
+        engine = _StandInEngine(shapes)
         rx = WeightReceiver(m, sync, staging="stream")
-        channel = EngineWeightChannel(rpc, num_workers=2, device="cpu", bucket_bytes=bucket)
-    flat = torch.randn(m.numel) if rank == 0 else None
+        rx.serve_engine(engine)
+    else:
+        sender = WeightSender(_Flat(shapes), m, sync)
+    _barrier(ctl)
     times, peaks = [], []
     for r in range(WARMUP + args.repeats):
         _barrier(ctl)
         t0 = time.perf_counter()
         if rank == 0:
-            post_header(sync, [r + 1, 0, len(m.buckets)])
-            starts = m.bucket_starts
-            for w in [broadcast_async(sync, flat[starts[b]: starts[b + 1]]) for b in range(len(m.buckets))]:
-                w.wait()
+            sender.send(r + 1)
         else:
             assert rx.wait_for(r + 1, timeout=600)
-            staged, _ = rx.take()
-            channel.send(staged.tensors())
-            peaks.append(max([rx.peak_staging_bytes + channel.peak_packed_bytes]
-                             + [s["peak_bytes"] for s in channel.last_worker_stats]))
+            streamed, _ = rx.take()
+            stats = load_version(engine.rpc, streamed.tensors())
+            peaks.append(max([rx.peak_staging_bytes] + [s["peak_bytes"] for s in stats]))
+            assert [s["numel"] for s in stats] == [m.numel] * 2
         _barrier(ctl)
         if r >= WARMUP:
             times.append(time.perf_counter() - t0)
-    raw = torch.zeros(m.numel) if rank else flat.clone()
-    broadcast_async(sync, raw).wait()
-    raws = []
-    for _ in range(args.repeats):
+    # raw: one flat broadcast of the same bytes, on the engine group (learner -> both workers)
+    # and, for reference, on the sync group (learner -> the searcher's process)
+    # (timed on the learner, each after the workers' buffer exists: the best that group can do)
+    raws, raws_sync = [], []
+    _barrier(ctl)
+    if rank == 0:
+        [(_, group)] = sender.engines.groups()
+        flat = torch.randn(m.numel)
+        for r in range(args.repeats + 1):
+            t0 = time.perf_counter()
+            broadcast_async(group, flat).wait()
+            if r:
+                raws.append(time.perf_counter() - t0)
+    else:
+        engine.rpc("raw", numel=m.numel, repeats=args.repeats)
+    _barrier(ctl)
+    buf = torch.zeros(m.numel) if rank else flat
+    for r in range(args.repeats + 1):
         _barrier(ctl)
         t0 = time.perf_counter()
-        broadcast_async(sync, raw).wait()
+        broadcast_async(sync, buf).wait()
         _barrier(ctl)
-        raws.append(time.perf_counter() - t0)
+        if r:
+            raws_sync.append(time.perf_counter() - t0)
     if rank == 0:
-        stop_receivers(sync)
-        out.put(("times", statistics.median(times), statistics.median(raws), len(m.buckets)))
+        sender.stop()
+        out.put(("times", statistics.median(times), statistics.median(raws),
+                 statistics.median(raws_sync), len(m.buckets)))
     else:
         rx.join(timeout=60)
-        out.put(("peak", max(peaks) / (m.largest_bucket_numel * 4)))
-        for a, _ in pipes:
-            a.send(None)
-        for p in procs:
-            p.join(timeout=30)
+        out.put(("peak", max(peaks) / (m.largest_bucket_numel * 4), rx.peak_staging_bytes))
+        engine.close()
 
 
 def engine_process_rows(args) -> None:
-    """The out-of-process lines (module docstring): TP=2 stand-in workers, stream staging."""
+    """The out-of-process lines (module docstring): TP=2 stand-in workers in the broadcast."""
     import torch.multiprocessing as mp
     from transformers import LlamaConfig
 
@@ -313,10 +368,12 @@ def engine_process_rows(args) -> None:
     while not out.empty():
         item = out.get()
         got[item[0]] = item[1:]
-    sync_s, raw_s, nb = got["times"]
-    print(f"engine processes (TP=2, stream staging, fp32): {total / 1e9:.3f} GB in {nb} buckets of "
-          f"<= {bucket / 2**20:.1f} MiB; sync {sync_s:.3f} s, raw broadcast {raw_s:.3f} s "
-          f"(medians of {args.repeats}, learner -> searcher -> 2 workers)")
+    sync_s, raw_s, raw_sync_s, nb = got["times"]
+    print(f"engine processes (TP=2 stand-in workers in the learner's broadcast, fp32): "
+          f"{total / 1e9:.3f} GB in {nb} buckets of <= {bucket / 2**20:.1f} MiB; sync {sync_s:.3f} s "
+          f"(learner send -> both workers loaded), raw broadcast on the engine group {raw_s:.3f} s, "
+          f"learner -> searcher process {raw_sync_s:.3f} s (medians of {args.repeats}); searcher "
+          f"process staging peak {got['peak'][1]} B")
     print(f"engine-process sync peak/bucket = {got['peak'][0]:.2f}")
     print(f"engine-process sync / raw broadcast = {raw_s / sync_s:.2f}")
 

@@ -8,7 +8,9 @@
 #    $GPU_CHECK_SITE (default /tmp/site), without the network, compiling nothing.
 # 2. Prints the GPUs, the driver, and the versions of torch and of every package the tests use.
 # 3. Runs the tests marked `gpu` in tests/test_gpu.py, tests/test_engine_process.py (the engine hop
-#    into a CUDA worker; TP=2 out of process on 2 GPUs) and tests/test_weight_staging.py (pinned
+#    into a CUDA worker; TP=2 out of process on 2 GPUs), tests/test_worker_sync.py (a TP=2
+#    out-of-process engine on 2 GPUs whose workers receive the learner's broadcast themselves, the
+#    searcher's process without a CUDA context) and tests/test_weight_staging.py (pinned
 #    host staging of exactly the planned bytes) with hpc_tba imported from this checkout;
 #    among them the real learner role (tools/role_check.py under mpiexec: Learner.train_step,
 #    WeightSender -> WeightReceiver, checkpoint, export), which needs mpi4py and mpich from .whl/
@@ -61,10 +63,11 @@ for dist, name in [("transformers", "transformers"), ("tokenizers", "tokenizers"
 EOF
 
     # test_engine_process.py: the engine hop into a CUDA worker, and (2 GPUs) a TP=2 out-of-process
-    # engine synced through it; test_weight_staging.py: host staging pinned exactly (cudaHostRegister)
-    echo "== tests (pytest -m gpu tests/test_gpu.py tests/test_engine_process.py tests/test_weight_staging.py)"
+    # engine synced through it; test_worker_sync.py: (2 GPUs) the TP=2 out-of-process sync, the
+    # workers in the learner's broadcast; test_weight_staging.py: host staging pinned exactly
+    echo "== tests (pytest -m gpu tests/test_gpu.py tests/test_engine_process.py tests/test_worker_sync.py tests/test_weight_staging.py)"
     timeout "${GPU_CHECK_TIMEOUT_S:-600}" "$PY" -m pytest -q -m gpu tests/test_gpu.py tests/test_engine_process.py \
-        tests/test_weight_staging.py -p no:cacheprovider -rA --durations=0 "$@"
+        tests/test_worker_sync.py tests/test_weight_staging.py -p no:cacheprovider -rA --durations=0 "$@"
     local rc=$?
     echo "gpu_check: pytest exited with $rc"
     return $rc

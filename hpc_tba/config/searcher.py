@@ -34,8 +34,9 @@ class SearcherConfig:
     """Where a received weight version waits for the engine: device (one version in the engine's
     dtype on its GPU), host (pinned host memory), stream (at most three buckets: bucket by bucket straight
     into the engine, in or out of process; a version arriving mid-round with between_rounds
-    updates is skipped and counted), or auto (stream with in_flight updates; else device when it
-    fits, else host)."""
+    updates is skipped and counted), or auto (stream, for every update mode: no process on a
+    searcher node holds a whole version; out of process the engine's workers stream whatever this
+    says, docs/SEARCHERS.md)."""
     max_version_span: int = 0
     """in_flight: most weight versions one response may carry; a response whose tokens come from
     more versions is dropped (counted in searcher/dropped_version_span). 0: no cap (keep all:

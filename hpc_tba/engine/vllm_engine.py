@@ -376,17 +376,28 @@ class VLLMEngine:
         bucket by bucket: nothing here holds more than the loader asks for) and adopt `version`."""
         if version < self.version:
             raise ValueError(f"weight version went backwards: {self.version} -> {version}")
-        named_tensors = self.engine_names(named_tensors)
+        from hpc_tba.engine import worker_sync
+
         with self._engine_errors():
             if self.in_process:
                 from hpc_tba.models.naming import refresh_tied_heads
 
-                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors})
+                self.llm.collective_rpc("reload_weights",
+                                        kwargs={"weights_iterator": self.engine_names(named_tensors)})
                 self.llm.apply_model(refresh_tied_heads)  # a tied head's CPU copy is stale otherwise
-            else:  # through the per-engine channel into the workers (worker_ext.py)
-                self.channel.send(named_tensors)
+            elif worker_sync.is_worker_version(named_tensors):  # the workers receive it themselves
+                self.last_worker_stats = worker_sync.load_version(self._rpc, named_tensors)
+            else:  # handed over: through the per-engine channel into the workers (worker_ext.py)
+                self.channel.send(self.engine_names(named_tensors))
             self.llm.reset_prefix_cache()
         self.version = version
+
+    def join_weight_sync(self, slot, manifest) -> None:
+        """Out of process: the workers join the learner's broadcast (engine/worker_sync.py)."""
+        from hpc_tba.engine.worker_sync import join_workers
+
+        join_workers(self._rpc, slot, manifest, self.engine_names.mapping, in_process=self.in_process)
+        self._joined_sync = True
 
     def _sample(self, completion) -> Sample:
         tokens = np.asarray(completion.token_ids, dtype=np.int32)
@@ -410,6 +421,9 @@ class VLLMEngine:
             watchdog.stop()
         if channel is not None:
             channel.close()
+        if getattr(self, "_joined_sync", False) and llm is not None and watchdog.died is None:
+            with contextlib.suppress(Exception):  # the workers' threads leave the learner's store
+                llm.collective_rpc("hpc_tba_leave_sync")
         try:
             if llm is not None:
                 with _default_group_kept(getattr(self, "_foreign_default_group", False)):

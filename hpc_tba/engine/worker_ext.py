@@ -1,9 +1,9 @@
-"""Weights from a searcher's process into the workers of an out-of-process vLLM engine.
+"""Tensors handed to an out-of-process vLLM engine by the searcher's process (`load_weights` of a
+list or stream: tests, tools, a rebuilt engine reloading a staged version).
 
-An out-of-process engine (vLLM V1 multiprocessing: the EngineCore and its workers are child
-processes; tensor parallelism always works this way) cannot take tensors by a direct call. The
-searcher's process receives the learner's broadcast as before (`comm/weight_sync/`) and forwards
-each bucket, as it arrives, to the engine's workers over a small **per-engine** gloo group
+The weight sync itself does not come this way: an out-of-process engine's workers receive the
+learner's broadcast themselves (worker_sync.py, comm/weight_sync/worker_groups.py). What is
+handed over here by a direct call travels over a small **per-engine** gloo group
 (rank 0 = the searcher's process, ranks 1..TP = the workers), built with the engine on a fresh
 TCPStore port, so a rebuilt engine gets a fresh group and the learners' sync group is never
 touched. The same group and the same host buffers on CPU and GPU: a CUDA worker's loader copies
@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 
 from hpc_tba.comm.weight_sync import WIRE_DTYPES, broadcast_async, wire_dtype_name
+from hpc_tba.engine.worker_sync import WorkerSyncMixin
 
 EXTENSION = f"{__name__}.WeightHopExtension"
 """The `worker_extension_cls` an out-of-process engine is built with."""
@@ -246,8 +247,9 @@ def _consecutive_views(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     return first.new_empty(0).set_(storage, first.storage_offset(), (off - first.storage_offset(),))
 
 
-class WeightHopExtension:
-    """Mixed into vLLM's worker class: the workers' end of `EngineWeightChannel`.
+class WeightHopExtension(WorkerSyncMixin):
+    """Mixed into vLLM's worker class: the workers' end of `EngineWeightChannel`, and of the
+    learner's broadcast itself (`WorkerSyncMixin`, worker_sync.py: the sync path).
 
     Method names carry an `hpc_tba_` prefix (vLLM refuses an extension whose attributes clash
     with the worker's). `self` is the vLLM worker: `self.rank` is its tensor-parallel rank and

@@ -78,6 +78,8 @@ class Searcher(ContinuousGeneration):
                  max_engine_restarts: int = 5, on_policy_quota: dict[int, int] | None = None):
         self.cfg, self.task, self.engine, self.receiver = cfg, task, engine, receiver
         self.engine_factory = engine_factory
+        if hasattr(receiver, "serve_engine"):  # out of process: the workers receive (issue 24)
+            receiver.serve_engine(engine)
         self.max_engine_restarts = max_engine_restarts
         self.restarts, self._failures_in_row = 0, 0
         self._await_weights = False  # a rebuilt engine with no staged copy to reload: wait
@@ -164,6 +166,8 @@ class Searcher(ContinuousGeneration):
                   f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
         version = self.engine.version
         self.engine = self.engine_factory()
+        if hasattr(self.receiver, "serve_engine"):  # a rebuilt engine joins a fresh group
+            self.receiver.serve_engine(self.engine)
         if self.receiver is not None and version > 0:
             if self.receiver.ready():  # a newer version is waiting: applied (and logged) as usual
                 self._load_newest()

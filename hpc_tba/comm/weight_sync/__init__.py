@@ -4,7 +4,8 @@ The sync group is its own process group (learner rank 0 + all searchers) built f
 independent of the learners' default group that DeepSpeed uses, so ZeRO-3 collectives and weight
 broadcasts never share a communicator. Backend `gloo` on CPU and `nccl` on GPU: same code.
 
-Protocol, per sync: a header [version, flags, num_buckets] posted on the host (a key of the
+Protocol, per sync: a header [version, flags, num_buckets, data on this group, the engine-group
+generation of every searcher] posted on the host (a key of the
 group's TCPStore: no receive is pending on the group between syncs), then one broadcast of a
 flat buffer per bucket in manifest order, in the manifest's wire dtype (fp32 by default, bf16 for large models on
 GPU: half the bytes, and what the engine runs in anyway). The manifest (parameter names and shapes
@@ -33,6 +34,9 @@ stream loads each bucket into the engine as it arrives (WeightReceiver's docstri
 - `group.py`: the sync group (`new_group`) and the broadcasts from its rank 0.
 - `sender.py`: `WeightSender`, the learner side (ZeRO-3 gathers overlapped with broadcasts).
 - `receiver.py`: `WeightReceiver`, the searcher side, and the staging's memory (`staging_bytes`).
+- `worker_groups.py`: out-of-process engines' workers join the broadcast themselves (one engine
+  group per engine on the sync group's store, decisions on the host); engine/worker_sync.py is
+  their end.
 """
 # The package's public names, from the module that defines each (importers use these).
 from hpc_tba.comm.weight_sync.group import (
@@ -51,12 +55,13 @@ from hpc_tba.comm.weight_sync.receiver import (
     StagedWeights,
     StreamedWeights,
     WeightReceiver,
+    WorkerVersion,
     resolve_staging,
     staging_bytes,
 )
 from hpc_tba.comm.weight_sync.sender import WeightSender
 
 __all__ = ["FLAG_EVAL", "FLAG_STOP", "GROUP_TIMEOUT_S", "STAGING_MODES", "WIRE_DTYPES", "Manifest",
-           "StagedWeights", "StreamedWeights", "WeightReceiver", "WeightSender", "broadcast_async",
+           "StagedWeights", "StreamedWeights", "WeightReceiver", "WeightSender", "WorkerVersion", "broadcast_async",
            "attach_store", "new_group", "post_header", "resolve_staging", "staging_bytes",
            "stop_receivers", "wait_header", "wait_host", "wire_dtype_name"]

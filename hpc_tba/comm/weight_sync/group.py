@@ -106,10 +106,30 @@ def sync_stream(device: str | torch.device) -> None:
         torch.cuda.current_stream(device).synchronize()
 
 
-def stop_receivers(pg, *, device: str | torch.device = "cpu") -> None:
-    """Rank 0: announce STOP, then wait until every receiver has read it (one last broadcast), so
-    the store this rank hosts outlives their reads."""
+_STOPPED_KEY = "hpc_tba/sync_stopped"
+
+
+def stop_receivers(pg, *, timeout_s: float = GROUP_TIMEOUT_S) -> None:
+    """Rank 0: announce STOP, then wait on the host until every receiver has read it (each counts
+    itself on the store: no collective, so a searcher whose engine's workers received every
+    version never touches a device), so the store this rank hosts outlives their reads."""
+    import time
+
     from hpc_tba.comm.weight_sync.manifest import FLAG_STOP
 
+    store, seq = _store_of(pg)
+    key = f"{_STOPPED_KEY}/{seq}"  # this STOP's header number: a group may be stopped again
     post_header(pg, [-1, FLAG_STOP, 0])
-    broadcast(pg, torch.zeros(1, dtype=torch.int64, device=device))
+    deadline = time.monotonic() + timeout_s
+    while store.add(key, 0) < pg.size() - 1:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"weight sync: {pg.size() - 1 - store.add(key, 0)} receiver(s) did "
+                               f"not acknowledge STOP within {timeout_s:.0f} s")
+        time.sleep(0.01)
+
+
+def acknowledge_stop(pg) -> None:
+    """A receiver has read STOP, the last header `wait_header` returned (`stop_receivers` waits
+    for every receiver's acknowledgement)."""
+    store, seq = _store_of(pg)
+    store.add(f"{_STOPPED_KEY}/{seq - 1}", 1)

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from hpc_tba.comm.weight_sync.group import broadcast, wait_header
+from hpc_tba.comm.weight_sync.group import acknowledge_stop, broadcast, wait_header
 from hpc_tba.comm.weight_sync.manifest import FLAG_EVAL, FLAG_STOP, Manifest
 
 
@@ -37,6 +37,27 @@ class StreamedWeights:
     tensors: Callable[[], Iterator[tuple[str, torch.Tensor]]]
 
 
+class WorkerVersion:
+    """A version an out-of-process engine's workers are receiving from the learner themselves
+    (worker_groups.py): `StreamedWeights.tensors()` of a receiver serving such an engine. The
+    engine loads it (`VLLMEngine.load_weights`) and calls `done()`; `abandon()` tells the workers
+    nobody will (they drain the rest)."""
+
+    def __init__(self, version: int, slot, k: int, consumed: threading.Event):
+        self.version, self.slot, self.k, self._consumed = version, slot, k, consumed
+
+    def done(self) -> None:
+        self._consumed.set()
+
+    def abandon(self) -> None:
+        self.slot.abandon(self.k)
+        self.done()
+
+    def __iter__(self):
+        raise TypeError("a WorkerVersion is received by the engine's workers, not iterated here: "
+                        "load it with an out-of-process VLLMEngine")
+
+
 STAGING_MODES = ("device", "host", "stream")
 
 
@@ -56,24 +77,20 @@ def staging_bytes(manifest: Manifest, staging: str) -> int:
 
 
 def resolve_staging(staging: str, device: str, manifest: Manifest, *,
-                    free_bytes: int | None = None, headroom: float = 0.9,
                     update: str = "between_rounds") -> str:
-    """searcher.staging with `auto` resolved: stream with in-flight updates (the engine takes each
-    version between two decode steps: nothing waits in memory, two buckets); with between-rounds
-    updates a version must wait for the round to end, so in a whole-version buffer: device when
-    it (and a bucket) fits in `headroom` of the engine GPU's free memory (`free_bytes`, measured
-    once the engine holds its share), else host; host on CPU."""
-    if staging != "auto":
-        if staging not in STAGING_MODES:
-            raise ValueError(f"searcher.staging={staging!r} is not auto or one of {STAGING_MODES}")
-        return staging
-    if update == "in_flight":
+    """searcher.staging with `auto` resolved: stream, for every device, manifest and update mode
+    (issue 24's rule: no process on a searcher node holds more than a few buckets of a version).
+    With in-flight updates the engine takes each version between two decode steps; with
+    between-rounds updates a version announced during a round is skipped (drained into one
+    bucket, `searcher/versions_skipped`) and the searcher, at the end of the round, waits at most
+    one round's time for the next one (docs/SEARCHERS.md). `device`/`host` (a whole version
+    waiting in memory, so the next round starts at once) are opt-in."""
+    del device, manifest, update  # auto no longer depends on them (kept: the callers' signature)
+    if staging == "auto":
         return "stream"
-    if torch.device(device).type != "cuda":
-        return "host"
-    if free_bytes is None:
-        free_bytes = torch.cuda.mem_get_info(torch.device(device))[0]
-    return "device" if staging_bytes(manifest, "device") <= headroom * free_bytes else "host"
+    if staging not in STAGING_MODES:
+        raise ValueError(f"searcher.staging={staging!r} is not auto or one of {STAGING_MODES}")
+    return staging
 
 
 class WeightReceiver:
@@ -119,6 +136,7 @@ class WeightReceiver:
         self._want_bucket = self._overdraft = False
         self._buckets: queue.Queue = queue.Queue()
         self._consumed = threading.Event()
+        self._workers = None  # EngineSlot: an out-of-process engine's workers receive (serve_engine)
         self.accepting = accepting
         """Stream staging: whether a version announced now is loaded (True: the searcher takes it
         at once, between decode steps or while it waits) or skipped (False: the searcher is busy
@@ -139,14 +157,25 @@ class WeightReceiver:
         try:
             while True:
                 # announced on the host: no receive is posted on the group between two syncs
-                version, flags, nb = wait_header(self.group)
+                header = wait_header(self.group)
+                version, flags, nb = header[:3]
                 if flags & FLAG_STOP:
-                    broadcast(self.group, torch.zeros(1, dtype=torch.int64, device=self.device))
+                    acknowledge_stop(self.group)
                     return
                 if nb != len(self.manifest.buckets):
                     raise RuntimeError(f"sync header announces {nb} buckets, manifest has "
                                        f"{len(self.manifest.buckets)}")
-                if self.staging == "stream":
+                # [version, flags, buckets, data on the sync group, engine generation per searcher]
+                on_sync = len(header) < 4 or bool(header[3])
+                gens = header[4:]
+                if self._workers is not None:
+                    me = self.group.rank() - 1
+                    self._to_workers(version, flags, on_sync,
+                                     me < len(gens) and gens[me] == self._workers.gen)
+                elif not on_sync:
+                    raise RuntimeError("sync header sends no data on the sync group, but this "
+                                       "searcher's engine has not joined an engine group")
+                elif self.staging == "stream":
                     self._stream(version, flags)
                 else:
                     self._stage(version, flags)
@@ -184,17 +213,18 @@ class WeightReceiver:
             self._stream_live -= stream
             self._cond.notify_all()
 
-    def _drain(self, version: int) -> None:
-        """Receive a version nobody will load into one bucket buffer, and drop it (counted)."""
+    def _drain(self, version: int, *, skipped: bool = True) -> None:
+        """Receive a version nobody here will load into one bucket buffer, and drop it (counted)."""
         m = self.manifest
         if self._bucket is None:
             self._bucket = self._alloc(m.largest_bucket_numel, self.device)
         for b in range(len(m.buckets)):
             broadcast(self.group, self._bucket[: m.bucket_numel(b)])
-        if self.staging == "stream":  # freed: stream's two buckets are the bound
+        if self.staging == "stream" or self._workers is not None:  # freed: the bound is buckets
             self._bucket = None
-        with self._cond:
-            self.skipped_versions.append(version)
+        if skipped:
+            with self._cond:
+                self.skipped_versions.append(version)
 
     def _stage(self, version: int, flags: int) -> None:
         """Device/host staging: each bucket is received straight into the version buffer (through
@@ -230,6 +260,32 @@ class WeightReceiver:
         with self._cond:
             self._latest = self._complete = staged
             self._announce(version, flags)
+
+    def _to_workers(self, version: int, flags: int, on_sync: bool, reaches: bool) -> None:
+        """An out-of-process engine's workers receive the version themselves (worker_groups.py):
+        this process only decides, on the host, whether they load it (the searcher takes it now,
+        as a `WorkerVersion`) or drain it (busy: skipped), and waits until it was loaded. It holds
+        no bucket, except while draining data the learner still sent on the sync group (a version
+        announced before this searcher's engine registered)."""
+        slot = self._workers
+        with self._cond:
+            accept = reaches and self.accepting
+            if reaches:  # first: the workers must be receiving while this process drains (below)
+                k = slot.decide(version, flags, accept)
+            if accept:
+                self._consumed.clear()
+                got = WorkerVersion(version, slot, k, self._consumed)
+                self._latest = StreamedWeights(version, flags, lambda: got)
+                self._announce(version, flags)
+            elif flags & FLAG_EVAL:
+                self._pending_eval.append(version)  # evaluated with the next version loaded
+        if on_sync:
+            self._drain(version, skipped=not accept)
+        elif not accept:
+            with self._cond:
+                self.skipped_versions.append(version)
+        if accept:
+            self._consumed.wait()
 
     def _stream(self, version: int, flags: int) -> None:
         """Stream staging: hand the version out now; receive bucket b once fewer than two buckets
@@ -350,8 +406,35 @@ class WeightReceiver:
         reach the next header (a searcher that stops)."""
         latest, _ = self.take() if self.error is None else (None, [])
         if isinstance(latest, StreamedWeights):
-            for _ in latest.tensors():
+            got = latest.tensors()
+            if isinstance(got, WorkerVersion):
+                got.abandon()
+                return
+            for _ in got:
                 pass
+
+    def serve_engine(self, engine) -> None:
+        """From now on, an out-of-process engine's workers receive every version themselves
+        (worker_groups.py); an in-process engine keeps this receiver's staging. Call it with
+        every engine the searcher builds (a rebuilt one joins a fresh group)."""
+        with self._cond:  # a version accepted for the previous engine's workers: gone with them
+            old = self._latest
+            if self._workers is not None and isinstance(old, StreamedWeights):
+                self._latest = None
+                self.skipped_versions.append(old.version)
+                old.tensors().abandon()
+        join = getattr(engine, "join_weight_sync", None)
+        if join is None or getattr(engine, "in_process", True):
+            with self._cond:
+                self._workers = None
+            return
+        from hpc_tba.comm.weight_sync.worker_groups import register_engine
+
+        slot = register_engine(self.group, tp=engine.cfg.tensor_parallel_size)
+        join(slot, self.manifest)
+        with self._cond:
+            self._workers = slot
+            self.staging = "stream"  # what the workers do: the searcher's windows apply
 
     def wait_for(self, version: int, timeout: float | None = None) -> bool:
         """Block until a version >= `version` has been received (False on timeout or stop)."""

@@ -8,6 +8,7 @@ import torch
 
 from hpc_tba.comm.weight_sync.group import broadcast_async, post_header, stop_receivers, sync_stream
 from hpc_tba.comm.weight_sync.manifest import Manifest
+from hpc_tba.comm.weight_sync.worker_groups import EngineGroups
 
 
 class WeightSender:
@@ -21,6 +22,10 @@ class WeightSender:
     and minus the second copy into the flat buffer. Anything else (plain parameters, ZeRO++
     secondary partitions, quantized or offloaded shards, `direct_gather=False`) goes through
     `deepspeed.zero.GatheredParameters` and a pack.
+
+    Each bucket goes on the sync group (searchers whose engine runs in their process) and on
+    every joined engine group (out-of-process engines' workers, worker_groups.py); a broadcast to
+    an engine that died drops that engine's group, nothing else.
     """
 
     def __init__(self, module: torch.nn.Module, manifest: Manifest, group, *, device: str = "cpu",
@@ -35,7 +40,9 @@ class WeightSender:
         self.device = torch.device(device)
         self.direct = direct_gather and all(_shard_gatherable(p, self.device) for p in self.params)
         self._slots: list[torch.Tensor] = []  # two flat staging buffers, kept across syncs
-        self._works: list = [None, None]  # the broadcast that last read each slot
+        self._works: list[list] = [[], []]  # (searcher or None, Work) of the broadcasts of each slot
+        self.engines = EngineGroups(group) if group is not None else None
+        """Out-of-process engines' groups (worker_groups.py): their workers receive each bucket."""
         self._scratch: torch.Tensor | None = None  # gathers whose dtype differs from the wire's
         self.last_timing: dict[str, float] = {}
         """Seconds of the last `send` spent gathering+packing, and blocked on broadcasts."""
@@ -50,8 +57,12 @@ class WeightSender:
         stream is synchronized too): `sync/time_s` is the time to completion on both backends.
         """
         m, root = self.manifest, self.group is not None
-        if root:
-            post_header(self.group, [version, flags, len(m.buckets)])
+        groups = []
+        if root:  # [version, flags, buckets, data on the sync group, engine generation per searcher]
+            gens = self.engines.refresh()
+            on_sync = not self.engines.all_registered
+            groups = ([(None, self.group)] if on_sync else []) + self.engines.groups()
+            post_header(self.group, [version, flags, len(m.buckets), int(on_sync), *gens])
         sent, t_gather, t_wait = 0, 0.0, 0.0
         for b, idx in enumerate(m.buckets):
             t0 = time.perf_counter()
@@ -61,7 +72,8 @@ class WeightSender:
             self._gather([self.params[i] for i in idx], b % 2, flat, pack=root)
             t_wait, t_gather = t_wait + t1 - t0, t_gather + time.perf_counter() - t1
             if root:
-                self._works[b % 2] = broadcast_async(self.group, flat)
+                self._works[b % 2] = [(i, broadcast_async(pg, flat)) for i, pg in groups
+                                      if i is None or self._engine_alive(i)]
                 sent += flat.numel() * flat.element_size()
         t0 = time.perf_counter()
         if root:
@@ -97,11 +109,22 @@ class WeightSender:
                 whole[off: off + p.ds_numel].copy_(out[: p.ds_numel])
             off += p.ds_numel
 
+    def _engine_alive(self, i: int) -> bool:
+        return any(j == i for j, _ in self.engines.groups())
+
     def _free_slot(self, slot: int, numel: int) -> torch.Tensor:
-        """Slot `slot` as a flat [numel] buffer, once the broadcast that last read it is done."""
-        work, self._works[slot] = self._works[slot], None
-        if work is not None:
-            work.wait()
+        """Slot `slot` as a flat [numel] buffer, once the broadcasts that last read it are done.
+        A broadcast to an engine whose process died fails: that engine's group is dropped (its
+        rebuilt engine registers again), the sync and every other engine go on."""
+        works, self._works[slot] = self._works[slot], []
+        for i, work in works:
+            if i is None:
+                work.wait()
+                continue
+            try:
+                work.wait()
+            except Exception as e:  # noqa: BLE001 - that engine died; the others go on
+                self.engines.failed(i, e)
         if not self._slots:
             m = self.manifest
             largest = m.largest_bucket_numel
@@ -118,7 +141,7 @@ class WeightSender:
 
     def stop(self) -> None:
         if self.group is not None:
-            stop_receivers(self.group, device=self.device)
+            stop_receivers(self.group)
 
 
 def _shard_gatherable(p: torch.nn.Parameter, device: torch.device) -> bool:

@@ -1,0 +1,262 @@
+"""An out-of-process engine's workers in the learner's weight broadcast (issue 24).
+
+Each vLLM worker of an out-of-process engine (tensor parallelism, `searcher.engine_process`)
+joins its engine's group with learner rank 0 (`comm/weight_sync/worker_groups.py`: built on the
+sync group's store, gloo on CPU, NCCL on GPU: the same code) and receives every bucket of the
+versions the learner sends straight into its own process, on a thread: at most
+`WORKER_LIVE_BUCKETS` bucket buffers alive (one being loaded, one being received; one more when
+vLLM's layer-wise reload still holds both when it asks for the next: waiting would deadlock),
+each loaded into the worker's shard by `reload_weights(weights_iterator=...)` as soon as it
+arrived. The searcher's process only decides, on the host, whether a version is loaded or drained
+(skipped: the searcher is busy) and asks the workers to load it (`load_version`): it holds no
+weights and, on GPU, opens no CUDA context on the engine's GPUs.
+
+On GPU each receive runs on the worker's own CUDA stream and is waited for on the host (the
+stream is synchronized) before the loader sees the bucket; the loader's stream is recorded on
+the buffer so the allocator does not hand it to the next receive while a copy still reads it
+(tools/gpu_check.sh covers that branch).
+
+`WorkerSyncMixin` is part of the worker extension (`worker_ext.WeightHopExtension`); this module
+imports only torch and `comm/weight_sync/` (it runs in the engine's processes, no MPI).
+"""
+from __future__ import annotations
+
+import queue
+import resource
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+
+import torch
+
+from hpc_tba.comm.weight_sync import Manifest, broadcast_async, wait_host
+from hpc_tba.comm.weight_sync.worker_groups import abandoned, build_group, join_store, wait_decision
+
+WORKER_LIVE_BUCKETS = 2
+"""Bucket buffers a worker keeps alive at once; one more while the loader still holds both."""
+_END = object()
+
+
+def worker_sync_bytes(manifest: Manifest, layer_bytes: int) -> int:
+    """The most a worker's receiving thread allocates at once (the planner's `sync_worker` row):
+    WORKER_LIVE_BUCKETS buffers of the largest bucket and one more while the loader holds them
+    all, or, while vLLM's layer-wise reload keeps a whole layer (`layer_bytes`) of tensors
+    referenced until its last one arrives, that layer and the bucket being received."""
+    bucket = manifest.largest_bucket_numel * manifest.dtype.itemsize
+    return max((WORKER_LIVE_BUCKETS + 1) * bucket, layer_bytes + bucket)
+
+
+def is_worker_version(tensors) -> bool:
+    """Whether `load_weights` was handed a version the workers receive themselves."""
+    from hpc_tba.comm.weight_sync import WorkerVersion
+
+    return isinstance(tensors, WorkerVersion)
+
+
+def join_workers(rpc: Callable[..., list], slot, manifest: Manifest, names: dict[str, str], *,
+                 in_process: bool = False) -> None:
+    """Searcher side: every worker of the engine joins `slot`'s group (in the background: the
+    learner builds its end at its next sync). `names`: learner name -> the name vLLM loads."""
+    if in_process:
+        raise ValueError("an in-process engine takes its weights from the searcher's receiver")
+    ranks = rpc("hpc_tba_join_sync", **slot.join_args(), manifest=manifest.to_json(),
+                names=dict(names))
+    if sorted(ranks) != list(range(1, slot.tp + 1)):
+        raise RuntimeError(f"engine weight group: workers joined as ranks {ranks}, expected "
+                           f"1..{slot.tp}")
+
+
+def load_version(rpc: Callable[..., list], version) -> list[dict]:
+    """Searcher side: every worker loads `version` (a receiver's WorkerVersion) as its buckets
+    arrive from the learner; returns each worker's stats (numel, peak_bytes, maxrss growth)."""
+    try:
+        stats = rpc("hpc_tba_load_version", version=version.version)
+    finally:
+        version.done()
+    if not stats or any(s["numel"] != stats[0]["numel"] or s["numel"] <= 0 for s in stats):
+        raise RuntimeError(f"engine weight sync: workers loaded {[s['numel'] for s in stats]} "
+                           "elements, not the same number")
+    return stats
+
+
+class WorkerSyncMixin:
+    """The worker's end: `self.rank` is its tensor-parallel rank, `self.reload_weights` its
+    in-place loader (vLLM's CPU and GPU workers alike; `self.device` where it runs)."""
+
+    def hpc_tba_join_sync(self, host: str, port: int, prefix: str, size: int, backend: str,
+                          manifest: dict, names: dict) -> int:
+        old = getattr(self, "_hpc_tba_sync", None)
+        if old is not None:
+            old.stop()
+        device = torch.device("cpu") if backend == "gloo" else torch.device(self.device)
+        self._hpc_tba_sync = _VersionReceiver(host, port, prefix, 1 + self.rank, size, backend,
+                                              Manifest.from_json(manifest), names, device)
+        return 1 + self.rank
+
+    def hpc_tba_load_version(self, version: int) -> dict:
+        """Load `version` bucket by bucket as it arrives; returns what was loaded and held."""
+        rx = self._hpc_tba_sync
+        rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        loaded = [0]
+        tensors = rx.tensors(version, loaded)
+        self.reload_weights(weights_iterator=tensors)
+        for _ in tensors:  # to the end of the version, should the loader have stopped early
+            pass
+        from hpc_tba.models.naming import refresh_tied_heads
+
+        runner = getattr(self, "model_runner", None)  # a vLLM worker has one (test doubles may not)
+        if runner is not None:
+            refresh_tied_heads(runner.get_model())  # a tied head's CPU copy is stale otherwise
+        growth = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0
+        return {"numel": loaded[0], "peak_bytes": rx.version_peak_bytes,
+                "maxrss_growth_bytes": 1024 * growth}
+
+    def hpc_tba_leave_sync(self) -> None:
+        rx, self._hpc_tba_sync = getattr(self, "_hpc_tba_sync", None), None
+        if rx is not None:
+            rx.stop()
+
+
+class _VersionReceiver:
+    """A worker's receiving thread: joins the engine group, then for every decision the searcher
+    posts, receives that version's buckets (accepted: handed to the loader, at most
+    WORKER_LIVE_BUCKETS alive) or drains them into one buffer (skipped, or abandoned)."""
+
+    def __init__(self, host, port, prefix, rank, size, backend, manifest: Manifest,
+                 names: dict, device: torch.device):
+        self.manifest, self.names, self.device = manifest, names, device
+        self.store, self._base_store = join_store(host, port, prefix)
+        self._cond = threading.Condition()
+        self._ready: queue.SimpleQueue = queue.SimpleQueue()
+        self._live = 0
+        self._blocked = self._overdraft = self._stopped = False
+        self.live_bytes = self.peak_bytes = self.version_peak_bytes = 0
+        self.error: BaseException | None = None
+        self.group = None
+        self._args = (rank, size, backend)
+        self._thread = threading.Thread(target=self._run, name="engine-weight-sync", daemon=True)
+        self._thread.start()
+
+    # ---------------------------------------------------------------- the receiving thread
+    def _run(self) -> None:
+        try:
+            self.group = build_group(self.store, *self._args)  # once the learner builds its end
+            stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+            k = 0
+            while True:
+                got = wait_decision(self.store, k, stop=lambda: self._stopped)
+                if got is None:
+                    return
+                version, _, accept = got
+                if stream is not None:
+                    with torch.cuda.stream(stream):
+                        self._version(version, k, accept)
+                else:
+                    self._version(version, k, accept)
+                k += 1
+        except BaseException as e:  # noqa: BLE001 - surfaced to the loader
+            self.error = e
+            self._ready.put(None)
+
+    def _recv(self, t: torch.Tensor) -> None:
+        wait_host(broadcast_async(self.group, t), t)
+
+    def _version(self, version: int, k: int, accept: bool) -> None:
+        m = self.manifest
+        scratch = None
+        with self._cond:
+            self.version_peak_bytes = self.live_bytes
+        for b in range(len(m.buckets)):
+            if accept and self._wait_for_room(k):
+                buf = self._alloc(m.bucket_numel(b))
+                self._recv(buf)
+                self._ready.put((version, b, buf))
+                del buf
+                continue
+            if accept:  # abandoned: nobody will load the rest; what was queued is dropped
+                accept = False
+                while True:
+                    try:
+                        self._ready.get_nowait()
+                    except queue.Empty:
+                        break
+            if scratch is None:
+                scratch = self._alloc(m.largest_bucket_numel)
+            self._recv(scratch[: m.bucket_numel(b)])
+        if accept:
+            self._ready.put((version, len(m.buckets), None))
+
+    def _wait_for_room(self, k: int) -> bool:
+        """Wait until fewer than WORKER_LIVE_BUCKETS buffers are alive (or the loader holds them
+        all and asks for more); False if the searcher abandoned version k meanwhile."""
+        with self._cond:
+            self._blocked = True
+            self._cond.notify_all()
+            while not (self._live < WORKER_LIVE_BUCKETS or self._overdraft):
+                self._cond.wait(0.05)
+                if self._live >= WORKER_LIVE_BUCKETS and not self._overdraft and abandoned(self.store, k):
+                    self._blocked = False
+                    return False
+            self._blocked = self._overdraft = False
+        return True
+
+    def _alloc(self, numel: int) -> torch.Tensor:
+        t = torch.empty(numel, dtype=self.manifest.dtype, device=self.device)
+        nbytes = t.numel() * t.element_size()
+        with self._cond:
+            self._live += 1
+            self.live_bytes += nbytes
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+            self.version_peak_bytes = max(self.version_peak_bytes, self.live_bytes)
+        weakref.finalize(t, self._freed, nbytes)
+        return t
+
+    def _freed(self, nbytes: int) -> None:
+        with self._cond:
+            self._live -= 1
+            self.live_bytes -= nbytes
+            self._cond.notify_all()
+
+    # ---------------------------------------------------------------- the loader's side
+    def _next(self, version: int):
+        while True:
+            try:
+                item = self._ready.get(timeout=0.05)
+            except queue.Empty:
+                if self.error is not None:
+                    raise RuntimeError(f"engine weight sync: receiving failed: {self.error}") from self.error
+                with self._cond:
+                    if self._blocked:  # the thread waits for room while the loader holds all
+                        self._overdraft = True
+                        self._cond.notify_all()
+                continue
+            if item is None:
+                raise RuntimeError(f"engine weight sync: receiving failed: {self.error}") from self.error
+            if item[0] < version:  # an abandoned version's leftovers
+                continue
+            if item[0] != version:
+                raise RuntimeError(f"engine weight sync: version {item[0]} arrived where "
+                                   f"{version} was due")
+            return item
+
+    def tensors(self, version: int, loaded: list[int]) -> Iterator[tuple[str, torch.Tensor]]:
+        """(vLLM name, view) of every parameter of `version`, bucket by bucket as they arrive."""
+        m, names = self.manifest, self.names
+        for b in range(len(m.buckets)):
+            _, got, buf = self._next(version)
+            if got != b:
+                raise RuntimeError(f"engine weight sync: bucket {got} arrived where {b} was due")
+            if buf.device.type == "cuda":  # the loader's copies read it on their own stream
+                buf.record_stream(torch.cuda.current_stream(buf.device))
+            for name, view in m.bucket_views(b, buf):
+                yield names.get(name, name), view
+            loaded[0] += buf.numel()
+            del buf, view
+        self._next(version)  # the end marker
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Leave: the thread ends at its next poll for a decision (within a second) and the
+        group goes with it (a process that exits with the thread inside a store wait aborts)."""
+        self._stopped = True
+        self._thread.join(timeout_s)
+        self.group = None
