@@ -11,7 +11,6 @@
 #SBATCH --ntasks-per-node=8
 #SBATCH --cpus-per-task=8
 #SBATCH --gpus-per-node=8
-#SBATCH --mem=0
 #SBATCH --time=1-00:00:00
 #SBATCH --signal=USR1@300
 #SBATCH --requeue

@@ -10,7 +10,6 @@
 #SBATCH --nodes=3
 #SBATCH --ntasks-per-node=1
 #SBATCH --cpus-per-task=1
-#SBATCH --mem=0
 #SBATCH --time=00:30:00
 #SBATCH --signal=USR1@60
 #SBATCH --requeue

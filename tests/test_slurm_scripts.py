@@ -38,7 +38,6 @@ def test_golden_70b():
         "#SBATCH --ntasks-per-node=8",
         "#SBATCH --cpus-per-task=13",  # a TP-4 searcher: 8 threads + engine core + 4 workers
         "#SBATCH --gpus-per-node=8",
-        "#SBATCH --mem=0",  # host weight staging: 131 GiB per searcher
         "#SBATCH --time=2-00:00:00",
         "#SBATCH --signal=USR1@1500",  # holds a 70B save (hpc-tba plan)
         "#SBATCH --requeue",
