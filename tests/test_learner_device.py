@@ -128,6 +128,9 @@ def _worker(rank: int, port: int, tmp: str) -> None:
     for n in originals:
         setattr(dist, n, wrap(n))
     learner.sender.group = _Group(audit)
+    # no out-of-process engine (worker_groups.EngineGroups needs a TCPStore): the sync group carries the data
+    learner.sender.engines = types.SimpleNamespace(refresh=lambda: [0], all_registered=False,
+                                                   groups=lambda: [], failed=lambda i, e: None)
     with audit:
         learner.train_step(_batch())
         learner._reduce({"a": 1.0, "b": float("nan")})
