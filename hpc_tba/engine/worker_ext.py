@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 
 from hpc_tba.comm.weight_sync import WIRE_DTYPES, broadcast_async, wire_dtype_name
-from hpc_tba.engine.worker_sync import WorkerSyncMixin
+from hpc_tba.engine.worker_sync import CountedBuffers, WorkerSyncMixin
 
 EXTENSION = f"{__name__}.WeightHopExtension"
 """The `worker_extension_cls` an out-of-process engine is built with."""
@@ -308,19 +308,17 @@ class WeightHopExtension(WorkerSyncMixin):
                 "maxrss_growth_bytes": 1024 * growth}
 
 
-class _ChunkReceiver:
+class _ChunkReceiver(CountedBuffers):
     """The worker's receiving thread: chunks off the per-engine group, at most
     `WORKER_LIVE_CHUNKS` buffers alive (freed when vLLM's loader lets go of their views); one
     more when the loader asks for the next chunk while still holding them all (a layer whose
     tensors straddle chunks: waiting would deadlock)."""
 
     def __init__(self, group):
+        super().__init__()
         self.group = group
-        self._cond = threading.Condition()
         self._ready: list = []
-        self._live = 0
         self._blocked = self._overdraft = self.done = self._abandoned = False
-        self.live_bytes = self.peak_bytes = 0
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="engine-weight-receive", daemon=True)
         self._thread.start()
@@ -358,20 +356,7 @@ class _ChunkReceiver:
                 self._cond.notify_all()
 
     def _alloc(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        t = torch.empty(numel, dtype=dtype)
-        nbytes = t.numel() * t.element_size()
-        with self._cond:
-            self._live += 1
-            self.live_bytes += nbytes
-            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-        weakref.finalize(t, self._freed, nbytes)
-        return t
-
-    def _freed(self, nbytes: int) -> None:
-        with self._cond:
-            self._live -= 1
-            self.live_bytes -= nbytes
-            self._cond.notify_all()
+        return self._count(torch.empty(numel, dtype=dtype))
 
     def __iter__(self) -> Iterator[tuple[dict, torch.Tensor]]:
         while True:

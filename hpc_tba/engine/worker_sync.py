@@ -117,7 +117,37 @@ class WorkerSyncMixin:
             rx.stop()
 
 
-class _VersionReceiver:
+class CountedBuffers:
+    """Receive buffers counted while they are alive: `_count` registers one (freed when the last
+    view of it goes, e.g. when vLLM's loader lets go), `_live` buffers of `live_bytes` are alive,
+    `peak_bytes` is the most at once; `_cond` is notified at every free."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._live = 0
+        self.live_bytes = self.peak_bytes = 0
+
+    def _count(self, t: torch.Tensor) -> torch.Tensor:
+        nbytes = t.numel() * t.element_size()
+        with self._cond:
+            self._live += 1
+            self.live_bytes += nbytes
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+            self._counted()
+        weakref.finalize(t, self._freed, nbytes)
+        return t
+
+    def _counted(self) -> None:
+        """Called under `_cond` after each new buffer is counted (a subclass's own peaks)."""
+
+    def _freed(self, nbytes: int) -> None:
+        with self._cond:
+            self._live -= 1
+            self.live_bytes -= nbytes
+            self._cond.notify_all()
+
+
+class _VersionReceiver(CountedBuffers):
     """A worker's receiving thread: joins the engine group, then for every decision the searcher
     posts, receives that version's buckets (accepted: handed to the loader, at most
     WORKER_LIVE_BUCKETS alive) or drains them into one buffer (skipped, or abandoned)."""
@@ -126,11 +156,10 @@ class _VersionReceiver:
                  names: dict, device: torch.device):
         self.manifest, self.names, self.device = manifest, names, device
         self.store, self._base_store = join_store(host, port, prefix)
-        self._cond = threading.Condition()
+        super().__init__()
         self._ready: queue.SimpleQueue = queue.SimpleQueue()
-        self._live = 0
         self._blocked = self._overdraft = self._stopped = False
-        self.live_bytes = self.peak_bytes = self.version_peak_bytes = 0
+        self.version_peak_bytes = 0
         self.error: BaseException | None = None
         self.group = None
         self._args = (rank, size, backend)
@@ -201,21 +230,10 @@ class _VersionReceiver:
         return True
 
     def _alloc(self, numel: int) -> torch.Tensor:
-        t = torch.empty(numel, dtype=self.manifest.dtype, device=self.device)
-        nbytes = t.numel() * t.element_size()
-        with self._cond:
-            self._live += 1
-            self.live_bytes += nbytes
-            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-            self.version_peak_bytes = max(self.version_peak_bytes, self.live_bytes)
-        weakref.finalize(t, self._freed, nbytes)
-        return t
+        return self._count(torch.empty(numel, dtype=self.manifest.dtype, device=self.device))
 
-    def _freed(self, nbytes: int) -> None:
-        with self._cond:
-            self._live -= 1
-            self.live_bytes -= nbytes
-            self._cond.notify_all()
+    def _counted(self) -> None:
+        self.version_peak_bytes = max(self.version_peak_bytes, self.live_bytes)
 
     # ---------------------------------------------------------------- the loader's side
     def _next(self, version: int):
