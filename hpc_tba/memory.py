@@ -173,11 +173,6 @@ class Staging:
     host_bytes: int
 
 
-HOP_CHUNK_BYTES = 64 << 20
-"""engine.worker_ext.BUCKET_BYTES, the largest chunk of the engine hop (not imported: the planner
-imports no torch; the dry run checks the two agree)."""
-
-
 def staging_bytes(mode: str, *, version_bytes: int, bucket_bytes: int) -> Staging:
     """Receiver memory for `mode` (device|host|stream) given one version's and one bucket's bytes
     on the wire (the largest bucket of the manifest)."""

@@ -7,7 +7,6 @@ The channel itself is first tested against stand-in workers (plain processes run
 engines, in and out of process, are compared with a transformers model holding the same weights,
 and one is SIGKILLed mid-generation and rebuilt. `-m long`: the same fault in a whole run.
 """
-import multiprocessing as mp
 import os
 import signal
 import threading
@@ -15,10 +14,10 @@ import time
 
 import pytest
 import torch
-from test_worker_sync import largest_layer, learner_sync
+from test_worker_sync import StandInWorkers, largest_layer, learner_sync
 
 from hpc_tba.comm.weight_sync import Manifest
-from hpc_tba.engine.worker_ext import EngineWeightChannel, WeightHopExtension
+from hpc_tba.engine.worker_ext import EngineWeightChannel
 
 PROMPT, RESPONSE = [1, 5, 6, 7, 8, 9], [10, 11, 12, 2]
 TEMPERATURE = 1.0  # score()'s only temperature
@@ -28,59 +27,6 @@ TEMPERATURE = 1.0  # score()'s only temperature
 
 SHAPES = [("embed.weight", (32, 8)), ("layers.0.w", (8, 8)), ("layers.0.norm", (8,)),
           ("head.weight", (32, 8))]
-
-
-class _StandInWorker(WeightHopExtension):
-    """What vLLM's worker offers the extension: a tensor-parallel rank and `reload_weights`."""
-
-    def __init__(self, rank: int, device: str, shapes):
-        self.rank = rank
-        self.params = {n: torch.zeros(s, device=device) for n, s in shapes}
-
-    def reload_weights(self, weights_iterator) -> None:
-        for name, t in weights_iterator:
-            self.params[name].copy_(t)
-
-    def dump(self) -> dict:
-        return {n: p.cpu() for n, p in self.params.items()}
-
-
-def _serve(rank: int, conn, device: str, shapes) -> None:
-    torch.set_num_threads(1)
-    worker = _StandInWorker(rank, device, shapes)
-    while (msg := conn.recv()) is not None:
-        method, kwargs = msg
-        try:
-            conn.send(("ok", getattr(worker, method)(**kwargs)))
-        except Exception as e:  # the channel must see the worker's failure
-            conn.send(("error", f"{type(e).__name__}: {e}"))
-
-
-class _StandInEngine:
-    """`num_workers` worker processes and a `collective_rpc` over pipes."""
-
-    def __init__(self, num_workers: int, device: str = "cpu", shapes=tuple(SHAPES)):
-        ctx = mp.get_context("spawn")
-        pipes = [ctx.Pipe() for _ in range(num_workers)]
-        self.conns = [a for a, _ in pipes]
-        self.procs = [ctx.Process(target=_serve, args=(r, b, device, shapes), daemon=True)
-                      for r, (_, b) in enumerate(pipes)]
-        for p in self.procs:
-            p.start()
-
-    def rpc(self, method: str, **kwargs) -> list:
-        for c in self.conns:
-            c.send((method, kwargs))
-        replies = [c.recv() for c in self.conns]
-        errors = [r for status, r in replies if status == "error"]
-        if errors:
-            raise RuntimeError(f"worker failed: {errors[0]}")
-        return [r for _, r in replies]
-
-    def close(self) -> None:
-        for c, p in zip(self.conns, self.procs):
-            c.send(None)
-            p.join(timeout=30)
 
 
 def _weights(seed: int, device: str = "cpu") -> list[tuple[str, torch.Tensor]]:
@@ -98,14 +44,14 @@ def _staged(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tens
     return out
 
 
-def _assert_loaded(engine: _StandInEngine, named) -> None:
+def _assert_loaded(engine: StandInWorkers, named) -> None:
     for params in engine.rpc("dump"):
         for name, t in named:
             assert torch.equal(params[name], t.cpu()), name
 
 
 def test_channel_delivers_to_every_worker_over_a_fresh_gloo_group():
-    engine = _StandInEngine(num_workers=2, shapes=tuple(SHAPES + LAYERS))
+    engine = StandInWorkers(SHAPES + LAYERS, num_workers=2)
     try:
         _stream_40_buckets(engine)
         channel = EngineWeightChannel(engine.rpc, num_workers=2, device="cpu", bucket_bytes=1024)
@@ -134,7 +80,7 @@ def test_channel_delivers_to_every_worker_over_a_fresh_gloo_group():
 
 
 def test_a_failed_transfer_breaks_the_channel_for_good():
-    engine = _StandInEngine(num_workers=1)
+    engine = StandInWorkers(SHAPES, num_workers=1)
     try:
         channel = EngineWeightChannel(engine.rpc, num_workers=1, device="cpu", timeout_s=30)
         bad = [("no.such.weight", torch.zeros(4))]
@@ -201,7 +147,7 @@ def _stream_40_buckets(engine) -> None:
 def test_channel_into_a_cuda_worker():
     """The GPU hop is the same gloo group of host chunks: device tensors are packed a chunk at a
     time into host memory, and the worker copies them into its CUDA parameters."""
-    engine = _StandInEngine(num_workers=1, device="cuda")
+    engine = StandInWorkers(SHAPES, num_workers=1, device="cuda")
     try:
         channel = EngineWeightChannel(engine.rpc, num_workers=1, device="cuda", bucket_bytes=1024)
         for seed in (1, 2):

@@ -21,23 +21,26 @@ LAYERS = [(f"blocks.{i}.w", (32, 32)) for i in range(40)]  # 40 buckets of 4 KiB
 BUCKET = 32 * 32 * 4
 
 
-class _Worker(WeightHopExtension):
-    def __init__(self, rank: int, shapes, delay_s: float):
+class StandInWorker(WeightHopExtension):
+    """What vLLM's worker offers the extension: a tensor-parallel rank and `reload_weights`."""
+
+    def __init__(self, rank: int, shapes, delay_s: float = 0.0, device: str = "cpu"):
         self.rank, self.delay_s = rank, delay_s
-        self.params = {n: torch.zeros(s) for n, s in shapes}
+        self.params = {n: torch.zeros(s, device=device) for n, s in shapes}
 
     def reload_weights(self, weights_iterator) -> None:
         for name, t in weights_iterator:
             self.params[name].copy_(t)
-            time.sleep(self.delay_s)  # a loader slowed on purpose
+            if self.delay_s:
+                time.sleep(self.delay_s)  # a loader slowed on purpose
 
     def dump(self) -> dict:
-        return {n: p.clone() for n, p in self.params.items()}
+        return {n: p.detach().cpu().clone() for n, p in self.params.items()}
 
 
-def _serve(rank: int, conn, shapes, delay_s: float) -> None:
+def _serve(rank: int, conn, shapes, delay_s: float, device: str) -> None:
     torch.set_num_threads(1)
-    worker = _Worker(rank, shapes, delay_s)
+    worker = StandInWorker(rank, shapes, delay_s, device)
     while (msg := conn.recv()) is not None:
         method, kwargs = msg
         try:
@@ -46,24 +49,17 @@ def _serve(rank: int, conn, shapes, delay_s: float) -> None:
             conn.send(("error", f"{type(e).__name__}: {e}"))
 
 
-class _Cfg:
-    tensor_parallel_size = 2
+class StandInWorkers:
+    """`num_workers` stand-in worker processes and a `collective_rpc` over pipes."""
 
-
-class _Engine:
-    """What the receiver and the searcher use of an out-of-process VLLMEngine (its weight path)."""
-
-    in_process, cfg = False, _Cfg()
-
-    def __init__(self, shapes, delay_s: float = 0.0):
+    def __init__(self, shapes, num_workers: int = 2, delay_s: float = 0.0, device: str = "cpu"):
         ctx = mp.get_context("spawn")
-        pipes = [ctx.Pipe() for _ in range(2)]
+        pipes = [ctx.Pipe() for _ in range(num_workers)]
         self.conns = [a for a, _ in pipes]
-        self.procs = [ctx.Process(target=_serve, args=(r, b, shapes, delay_s), daemon=True)
-                      for r, (_, b) in enumerate(pipes)]
+        self.procs = [ctx.Process(target=_serve, args=(r, b, tuple(shapes), delay_s, device),
+                                  daemon=True) for r, (_, b) in enumerate(pipes)]
         for p in self.procs:
             p.start()
-        self.version, self.stats = 0, []
 
     def rpc(self, method: str, **kwargs) -> list:
         for c in self.conns:
@@ -74,17 +70,31 @@ class _Engine:
             raise RuntimeError(f"worker failed: {errors[0]}")
         return [r for _, r in replies]
 
+    def close(self) -> None:
+        for c, p in zip(self.conns, self.procs):
+            c.send(None)
+            p.join(timeout=30)
+
+
+class _Cfg:
+    tensor_parallel_size = 2
+
+
+class _Engine(StandInWorkers):
+    """What the receiver and the searcher use of an out-of-process VLLMEngine (its weight path)."""
+
+    in_process, cfg = False, _Cfg()
+
+    def __init__(self, shapes, delay_s: float = 0.0):
+        super().__init__(shapes, num_workers=2, delay_s=delay_s)
+        self.version, self.stats = 0, []
+
     def join_weight_sync(self, slot, manifest) -> None:
         join_workers(self.rpc, slot, manifest, {})
 
     def load_weights(self, tensors, version: int) -> None:  # VLLMEngine.load_weights' branch
         self.stats = load_version(self.rpc, tensors)
         self.version = version
-
-    def close(self) -> None:
-        for c, p in zip(self.conns, self.procs):
-            c.send(None)
-            p.join(timeout=30)
 
 
 class _Model(torch.nn.Module):
