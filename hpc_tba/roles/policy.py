@@ -6,10 +6,10 @@ Shared by the learner (current policy and reference) and by the sync checks in t
 Memory: `response_logprobs` never builds the logits of the whole batch. The model's output head
 is swapped, for the duration of one forward, for a function that takes the final hidden states
 of the response positions only and runs head + fp32 log-softmax on `chunk_tokens` of them at a
-time (each chunk recomputed in the backward pass instead of kept), so the largest vocabulary
-tensor is [chunk_tokens, V]. The head is still called as the model's own submodule inside the
-model's forward, so DeepSpeed ZeRO-3 gathers and releases its weight exactly as for a plain
-forward.
+time (each chunk recomputed in the backward pass instead of kept, `_ChosenLogprobs`), so the
+largest vocabulary tensor is [chunk_tokens, V], one of them live at a time. The head is still
+called as the model's own submodule inside the model's forward, so DeepSpeed ZeRO-3 gathers and
+releases its weight exactly as for a plain forward.
 """
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ import dataclasses
 
 import numpy as np
 import torch
-import torch.utils.checkpoint
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,12 +82,51 @@ def pad_per_token(values: list[np.ndarray], like: torch.Tensor) -> torch.Tensor:
     return out.to(like.device)
 
 
+def _scaled_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   temperature: float) -> torch.Tensor:
+    """head(hidden) / T for [N, H] hidden states: [N, V], float32 at least (one [N, V] buffer
+    for a float32 model: the division runs in place on the head's fresh output)."""
+    logits = torch.nn.functional.linear(hidden, weight, bias)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return logits.div_(temperature)
+
+
+class _ChosenLogprobs(torch.autograd.Function):
+    """log softmax(head(hidden) / T)[target] for [N, H] hidden states: [N], float32 at least.
+
+    Forward keeps only the hidden states, the targets and the [N] log-sum-exp; backward
+    recomputes the logits once and turns them into their gradient in place,
+    (onehot(target) − softmax) · g / T, so one [N, V] buffer is live at a time (autograd through
+    linear, log-softmax and gather would hold three: the log-softmax, its gradient and the
+    scattered one-hot gradient)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature):
+        logits = _scaled_logits(hidden, weight, bias, temperature)
+        lse = torch.logsumexp(logits, dim=-1)
+        ctx.temperature = temperature
+        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, weight, bias, targets, lse = ctx.saved_tensors
+        g = (grad / ctx.temperature).unsqueeze(-1)  # [N, 1]
+        dlogits = _scaled_logits(hidden, weight, bias, ctx.temperature)
+        dlogits.sub_(lse.unsqueeze(-1)).exp_().mul_(-g)  # − softmax · g / T
+        dlogits.scatter_add_(-1, targets.unsqueeze(-1), g)  # + onehot · g / T
+        dlogits = dlogits.to(hidden.dtype)
+        need = ctx.needs_input_grad
+        d_hidden = dlogits @ weight if need[0] else None
+        d_weight = dlogits.t() @ hidden if need[1] else None
+        d_bias = dlogits.sum(0) if bias is not None and need[2] else None
+        return d_hidden, d_weight, d_bias, None, None
+
+
 def _chosen_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                      targets: torch.Tensor, temperature: float) -> torch.Tensor:
     """log softmax(head(hidden) / T)[target] for [N, H] hidden states: [N], float32 at least."""
-    logits = torch.nn.functional.linear(hidden, weight, bias)
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
-    return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return _ChosenLogprobs.apply(hidden, weight, bias, targets, temperature)
 
 
 def _head_forward(head: torch.nn.Module, batch: PackedBatch, temperature: float, chunk: int,
@@ -114,10 +152,7 @@ def _head_forward(head: torch.nn.Module, batch: PackedBatch, temperature: float,
         for start in range(0, max(picked.shape[0], 1), chunk):
             args = (picked[start: start + chunk], head.weight, getattr(head, "bias", None),
                     targets[start: start + chunk], temperature)
-            if torch.is_grad_enabled():  # keep only the chunk's hidden states, recompute logits
-                parts.append(torch.utils.checkpoint.checkpoint(_chosen_logprobs, *args, use_reentrant=False))
-            else:
-                parts.append(_chosen_logprobs(*args))
+            parts.append(_chosen_logprobs(*args))  # keeps the chunk's hidden states, recomputes logits
         dtype = torch.promote_types(picked.dtype, torch.float32)
         flat = torch.cat(parts)
         out = torch.zeros(batch.response_mask.shape, dtype=dtype, device=flat.device)
