@@ -38,7 +38,10 @@ produced it, and its behaviour log-prob is that version's log-prob of it, exactl
 scoring the sequence with that version's weights computes). Cost: one prefill of the running
 sequences per update. A stop string that straddles the switch is not seen (the continuation's
 stop check starts at the switch); EOS and token budgets are exact. Async scheduling is switched
-off in that mode so that a step's tokens all come from the weights loaded before it. The same
+off in that mode so that a step's tokens all come from the weights loaded before it. A request
+hands back its output only once it finishes (FINAL_ONLY: no RequestOutput per running request
+per step, as `LLM.generate` does it); what an aborted one generated so far is read from vLLM's
+output processor just before the abort. The same
 loop runs on an out-of-process engine (its `LLMEngine` is a client of the EngineCore process,
 and `apply()` reaches the workers through the channel between two steps).
 
@@ -241,7 +244,7 @@ class VLLMEngine:
             return self._sample_in_flight(prompts, n=n, temperature=temperature, max_tokens=max_tokens,
                                           weights_ready=weights_ready, apply=apply)
         params = sampling_params(n=n, temperature=temperature, max_tokens=max_tokens, logprobs=0,
-                                 seed=seed, **self._stop_kwargs())
+                                 seed=seed, **self.request_kwargs())
         if self.response_length is not None:  # benchmarks and tests: a length per prompt
             params = [self._fixed_length(params, p, max_tokens) for p in prompts]
         with self._engine_errors():
@@ -254,9 +257,15 @@ class VLLMEngine:
         params.max_tokens = params.min_tokens = min(max_tokens, self.response_length(prompt))
         return params
 
-    def _stop_kwargs(self, done: int = 0) -> dict:
-        """Stop strings, and the minimum length still owed after `done` tokens."""
+    def request_kwargs(self, done: int = 0) -> dict:
+        """Per-request settings of every generation call: stop strings, the minimum length still
+        owed after `done` tokens, and how vLLM hands outputs back. vLLM's text is never used (the
+        searcher decodes a finished response once, `decode`), so without stop strings, which need
+        it, nothing is detokenized step by step (`detokenize=False`: no incremental decode, nor a
+        decoded token per log-prob); log-probs come flat (`FlatLogprobs`: a few lists per request,
+        not a dict and a Logprob object per token)."""
         kw = {"stop": list(self.cfg.stop), "include_stop_str_in_output": True} if self.cfg.stop else {}
+        kw.update(detokenize=bool(self.cfg.stop), flat_logprobs=True)
         if self.min_tokens > done:
             kw["min_tokens"] = self.min_tokens - done
         return kw
@@ -291,12 +300,12 @@ class VLLMEngine:
         groups: list[_Group] = []  # admitted, not yet yielded, in admission order
 
         def add(run: _Run) -> None:
-            budget, kw = max_tokens - len(run.tokens), self._stop_kwargs(len(run.tokens))
+            budget, kw = max_tokens - len(run.tokens), self.request_kwargs(len(run.tokens))
             if self.response_length is not None:
                 budget = min(max_tokens, self.response_length(run.prompt)) - len(run.tokens)
                 kw["min_tokens"] = budget
             params = sampling_params(n=1, temperature=temperature, logprobs=0, max_tokens=budget,
-                                     output_kind=RequestOutputKind.DELTA, **kw)
+                                     output_kind=RequestOutputKind.FINAL_ONLY, **kw)
             rid = f"hpc{next(self._request_ids)}"
             runs[rid] = run
             engine.add_request(rid, {"prompt_token_ids": list(run.prompt) + run.tokens}, params)
@@ -321,15 +330,18 @@ class VLLMEngine:
                 while runs:
                     stats.steps += 1
                     stats.running += len(runs)
-                    for out in engine.step():
-                        runs[out.request_id].extend(out.outputs[0], self.version, finished=out.finished)
-                        if out.finished:
-                            del runs[out.request_id]
-                    yield from finished()
+                    outs = engine.step()  # FINAL_ONLY: the requests that finished in this step
+                    for out in outs:
+                        c = out.outputs[0]
+                        runs.pop(out.request_id).extend(c.token_ids, c.logprobs, self.version, finished=True)
+                    if outs:
+                        yield from finished()
                     if runs and weights_ready is not None and weights_ready():
                         running = list(runs)
-                        engine.abort_request(running)
                         aborted = [runs.pop(rid) for rid in running]
+                        for rid, run in zip(running, aborted):  # an abort returns nothing: read them first
+                            run.extend(*_generated_so_far(engine, rid), self.version, finished=False)
+                        engine.abort_request(running)
                         t0 = time.perf_counter()
                         apply()  # load_weights: new version, prefix cache reset (nothing is running)
                         stats.apply_s += time.perf_counter() - t0
@@ -348,7 +360,7 @@ class VLLMEngine:
                     engine.abort_request(list(runs))
 
     def greedy(self, prompts: Sequence[Sequence[int]], *, max_tokens: int) -> list[list[int]]:
-        params = sampling_params(n=1, temperature=0.0, max_tokens=max_tokens, **self._stop_kwargs())
+        params = sampling_params(n=1, temperature=0.0, max_tokens=max_tokens, **self.request_kwargs())
         with self._engine_errors():
             outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params,
                                      use_tqdm=False)
@@ -401,9 +413,7 @@ class VLLMEngine:
 
     def _sample(self, completion) -> Sample:
         tokens = np.asarray(completion.token_ids, dtype=np.int32)
-        logp = np.array([step[t].logprob for step, t in zip(completion.logprobs, completion.token_ids)],
-                        dtype=np.float32)
-        return Sample(tokens, logp)
+        return Sample(tokens, np.asarray(sampled_logprobs(completion.logprobs, completion.token_ids), np.float32))
 
     def close(self) -> None:
         """Release everything the engine holds, so that a rebuilt one finds the memory free.
@@ -460,6 +470,29 @@ def _default_group_kept(keep: bool):
         yield
 
 
+def sampled_logprobs(logprobs, token_ids: Sequence[int]) -> list[float]:
+    """The log-prob of each sampled token, from vLLM's sample log-probs with `logprobs=0` (the
+    sampled token alone at each position, first): flat (FlatLogprobs) or a dict per position."""
+    from vllm.logprobs import FlatLogprobs
+
+    if not isinstance(logprobs, FlatLogprobs):
+        return [step[t].logprob for step, t in zip(logprobs, token_ids, strict=True)]
+    at = logprobs.start_indices
+    if [logprobs.token_ids[i] for i in at] != list(token_ids):
+        raise RuntimeError("vLLM's sample log-probs are not those of the sampled tokens")
+    return [logprobs.logprobs[i] for i in at]
+
+
+def _generated_so_far(engine, request_id: str) -> tuple[list[int], object]:
+    """Token ids and sample log-probs a running request has generated so far. With FINAL_ONLY
+    outputs an abort on `LLMEngine` returns nothing, so they are read, just before it, from the
+    engine's output processor (its per-request state; in this process in and out of process)."""
+    state = engine.output_processor.request_states.get(request_id)
+    if state is None:
+        raise RuntimeError(f"VLLMEngine: running request {request_id} has no output state in vLLM")
+    return state.detokenizer.output_token_ids, state.logprobs_processor.logprobs
+
+
 @dataclasses.dataclass
 class StepStats:
     """Counters of `VLLMEngine.generate`'s step loop, summed over every call (never reset)."""
@@ -481,11 +514,13 @@ class _Run:
     finished: bool = False
     dropped: bool = False  # given up at an update (it would span more than max_version_span)
 
-    def extend(self, completion, version: int, *, finished: bool) -> None:
-        """Append a step's new tokens (a DELTA output), stamped with the engine's version."""
-        new = list(completion.token_ids)
+    def extend(self, token_ids: Sequence[int], logprobs, version: int, *, finished: bool) -> None:
+        """Append what one request (the sample's first, or a continuation after an update)
+        generated, stamped with the engine's version: a request lives under one version, since
+        every update aborts what runs."""
+        new = list(token_ids)
         self.tokens += new
-        self.logp += [step[t].logprob for step, t in zip(completion.logprobs, new)]
+        self.logp += sampled_logprobs(logprobs, new)
         self.versions += [version] * len(new)
         self.finished = finished
 
