@@ -70,7 +70,8 @@ class StepLoop:
         self.next_prompt, self.n, self.temperature = next_prompt, n, temperature
         self.max_tokens, self.capacity, self.max_version_span = max_tokens, capacity, max_version_span
         self.weights_ready, self.apply = weights_ready, apply
-        self.runs: dict[str, _Run] = {}  # running requests
+        self.runs: dict[str, _Run] = {}  # running requests, by the request id the loop gave them
+        self.internal_ids: dict[str, str] = {}  # the same, by the id vLLM made of it (its state's key)
         self.groups: list[_Group] = []  # admitted, not yet yielded, in admission order
 
     def run(self) -> Iterator[Group]:
@@ -85,6 +86,7 @@ class StepLoop:
                 for out in outs:
                     c = out.outputs[0]
                     runs.pop(out.request_id).extend(c.token_ids, c.logprobs, self.owner.version, finished=True)
+                    del self.internal_ids[out.request_id]
                 if outs:
                     yield from self._finished()
                 if runs and self.weights_ready is not None and self.weights_ready():
@@ -103,7 +105,8 @@ class StepLoop:
         running = list(self.runs)
         aborted = [self.runs.pop(rid) for rid in running]
         for rid, run in zip(running, aborted):  # an abort returns nothing: read them first
-            run.extend(*_generated_so_far(self.engine, rid), owner.version, finished=False)
+            run.extend(*_generated_so_far(self.engine, self.internal_ids.pop(rid)), owner.version,
+                       finished=False)
         self.engine.abort_request(running)
         t0 = time.perf_counter()
         self.apply()  # load_weights: new version, prefix cache reset (nothing is running)
@@ -130,7 +133,8 @@ class StepLoop:
                                  output_kind=RequestOutputKind.FINAL_ONLY, **kw)
         rid = f"hpc{next(owner.request_ids)}"
         self.runs[rid] = run
-        self.engine.add_request(rid, {"prompt_token_ids": list(run.prompt) + run.tokens}, params)
+        self.internal_ids[rid] = self.engine.add_request(
+            rid, {"prompt_token_ids": list(run.prompt) + run.tokens}, params)
 
     def _admit(self) -> None:
         while len(self.groups) < self.capacity and (got := self.next_prompt()) is not None:
@@ -160,9 +164,10 @@ def sampled_logprobs(logprobs, token_ids: Sequence[int]) -> list[float]:
 
 
 def _generated_so_far(engine, request_id: str) -> tuple[list[int], object]:
-    """Token ids and sample log-probs a running request has generated so far. With FINAL_ONLY
-    outputs an abort on `LLMEngine` returns nothing, so they are read, just before it, from the
-    engine's output processor (its per-request state; in this process in and out of process)."""
+    """Token ids and sample log-probs a running request (`request_id`: vLLM's internal id, which
+    `LLMEngine.add_request` returns) has generated so far. With FINAL_ONLY outputs an abort on
+    `LLMEngine` returns nothing, so they are read, just before it, from the engine's output
+    processor (its per-request state; in this process in and out of process)."""
     state = engine.output_processor.request_states.get(request_id)
     if state is None:
         raise RuntimeError(f"VLLMEngine: running request {request_id} has no output state in vLLM")
