@@ -41,6 +41,19 @@ import numpy as np
 
 from hpc_tba.engine.base import Group, PromptSource, Sample
 
+# Sampling parameters that would change the distribution a token is drawn from, at their neutral
+# values: plain softmax(logits / T) sampling, as the learner's log-probs assume.
+NEUTRAL_SAMPLING = {"top_p": 1.0, "top_k": 0, "min_p": 0.0, "presence_penalty": 0.0,
+                    "frequency_penalty": 0.0, "repetition_penalty": 1.0, "watermarking": False,
+                    "ignore_eos": False}
+
+
+def sampling_params(**kwargs):
+    """vLLM SamplingParams with the neutral values above written explicitly, plus `kwargs`."""
+    from vllm import SamplingParams
+
+    return SamplingParams(**NEUTRAL_SAMPLING, **kwargs)
+
 
 @dataclasses.dataclass
 class StepStats:
@@ -121,8 +134,6 @@ class StepLoop:
 
     def _add(self, run: _Run) -> None:
         from vllm.sampling_params import RequestOutputKind
-
-        from hpc_tba.engine.vllm_engine import sampling_params
 
         owner = self.owner
         budget, kw = self.max_tokens - len(run.tokens), owner.request_kwargs(len(run.tokens))

@@ -48,7 +48,9 @@ import torch
 
 from hpc_tba.config import SearcherConfig
 from hpc_tba.engine.base import Group, PromptSource, Sample
-from hpc_tba.engine.step_loop import StepLoop, StepStats, sampled_logprobs
+from hpc_tba.engine.step_loop import NEUTRAL_SAMPLING, StepLoop, StepStats, sampled_logprobs, sampling_params
+
+__all__ = ["NEUTRAL_SAMPLING", "VLLMEngine", "configure_cpu_env", "engine_kwargs", "sampling_params"]
 
 
 def configure_cpu_env(*, core: int | None, kv_cache_mb: int) -> None:
@@ -99,20 +101,6 @@ def engine_kwargs(model_path: str, cfg: SearcherConfig, *, seed: int, device: st
     else:
         kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
     return kwargs
-
-
-# Sampling parameters that would change the distribution a token is drawn from, at their neutral
-# values: plain softmax(logits / T) sampling, as the learner's log-probs assume.
-NEUTRAL_SAMPLING = {"top_p": 1.0, "top_k": 0, "min_p": 0.0, "presence_penalty": 0.0,
-                    "frequency_penalty": 0.0, "repetition_penalty": 1.0, "watermarking": False,
-                    "ignore_eos": False}
-
-
-def sampling_params(**kwargs):
-    """vLLM SamplingParams with the neutral values above written explicitly, plus `kwargs`."""
-    from vllm import SamplingParams
-
-    return SamplingParams(**NEUTRAL_SAMPLING, **kwargs)
 
 
 class VLLMEngine:
