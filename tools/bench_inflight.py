@@ -310,13 +310,16 @@ def _upcoming(s, n: int) -> list[int]:
 def _bare(engine, s, picks: list[int], args) -> dict:
     """vLLM's own LLM.generate, continuously fed (every group at once; its scheduler admits a
     waiting request as soon as a sequence finishes), on `engine`: the prompts `picks` of the
-    searcher `s`, S samples each, the bench's response length per prompt."""
+    searcher `s`, S samples each, the bench's response length per prompt, with the per-request
+    settings of the searcher's own requests (`VLLMEngine.request_kwargs`: stop strings,
+    detokenization, log-prob format)."""
     from hpc_tba.engine.vllm_engine import sampling_params
 
     length = _length_of(args)
     prompts = [s.tokens[i] for i in picks]
+    kw = {k: v for k, v in engine.request_kwargs().items() if k != "min_tokens"}  # the loop's settings
     params = [sampling_params(n=args.samples, temperature=s.cfg.temperature, logprobs=0,
-                              min_tokens=length(p), max_tokens=length(p)) for p in prompts]
+                              min_tokens=length(p), max_tokens=length(p), **kw) for p in prompts]
     t0, c0 = time.perf_counter(), time.process_time()
     outs = engine.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0

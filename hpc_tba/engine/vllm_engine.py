@@ -25,31 +25,9 @@ always implies the second):
 
 After each update the prefix cache is reset so no KV computed with old weights is reused.
 
-In-flight updates (`searcher.update=in_flight`, `sample(..., weights_ready=, apply=)`): instead
-of `LLM.generate` the engine drives vLLM's `LLMEngine` itself (add_request, then a `step()` loop;
-every one of the n samples of a prompt is its own request). Between two steps, when
-`weights_ready()` says a new version is staged, the requests still running are aborted, `apply()`
-loads the new version in place (`load_weights`, which resets the prefix cache: nothing is
-running, so no block is kept), and each aborted request is added again as its continuation (its
-prompt plus the tokens generated so far, the remaining token budget). The continuation's prefix
-is prefilled under the new weights, so every later token is sampled from exactly the new
-version's distribution given the whole prefix: each token is stamped with the version that
-produced it, and its behaviour log-prob is that version's log-prob of it, exactly (what a learner
-scoring the sequence with that version's weights computes). Cost: one prefill of the running
-sequences per update. A stop string that straddles the switch is not seen (the continuation's
-stop check starts at the switch); EOS and token budgets are exact. Async scheduling is switched
-off in that mode so that a step's tokens all come from the weights loaded before it. The same
-loop runs on an out-of-process engine (its `LLMEngine` is a client of the EngineCore process,
-and `apply()` reaches the workers through the channel between two steps).
-
-Continuous generation (`searcher.generation=continuous`, `generate(next_prompt, capacity=...)`):
-the same step loop, but it never drains: up to `capacity` groups (the n samples of one prompt)
-run at once, a group is yielded as soon as its last sample finishes, and the next prompt is
-admitted at once, so the batch stays full and rounds stop being barriers. In-flight updates work
-as above; a round in flight (`sample(..., weights_ready=, apply=)`) is this loop with every
-prompt admitted at the start. With `max_version_span` a running sample that already holds that
-many versions is given up at the next update instead of being re-prefilled (it would be dropped
-at send anyway).
+In-flight updates (`sample(..., weights_ready=, apply=)`) and continuous generation
+(`generate(next_prompt, capacity=...)`) run on vLLM's step loop, driven by `step_loop.StepLoop`
+(its docstring: aborts and continuations at an update, per-token versions, exact log-probs).
 
 Engine settings from the config: CUDA graphs on GPUs unless `searcher.enforce_eager` (None: eager
 on CPU only), `searcher.stop` strings (kept in the response), and `prompt_fits` for prompts too
@@ -58,13 +36,11 @@ long for `max_model_len - max_new_tokens` (the searcher skips and counts them; v
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import gc
 import glob
 import itertools
 import os
 import signal
-import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
@@ -72,6 +48,9 @@ import torch
 
 from hpc_tba.config import SearcherConfig
 from hpc_tba.engine.base import Group, PromptSource, Sample
+from hpc_tba.engine.step_loop import NEUTRAL_SAMPLING, StepLoop, StepStats, sampled_logprobs, sampling_params
+
+__all__ = ["NEUTRAL_SAMPLING", "VLLMEngine", "configure_cpu_env", "engine_kwargs", "sampling_params"]
 
 
 def configure_cpu_env(*, core: int | None, kv_cache_mb: int) -> None:
@@ -124,20 +103,6 @@ def engine_kwargs(model_path: str, cfg: SearcherConfig, *, seed: int, device: st
     return kwargs
 
 
-# Sampling parameters that would change the distribution a token is drawn from, at their neutral
-# values: plain softmax(logits / T) sampling, as the learner's log-probs assume.
-NEUTRAL_SAMPLING = {"top_p": 1.0, "top_k": 0, "min_p": 0.0, "presence_penalty": 0.0,
-                    "frequency_penalty": 0.0, "repetition_penalty": 1.0, "watermarking": False,
-                    "ignore_eos": False}
-
-
-def sampling_params(**kwargs):
-    """vLLM SamplingParams with the neutral values above written explicitly, plus `kwargs`."""
-    from vllm import SamplingParams
-
-    return SamplingParams(**NEUTRAL_SAMPLING, **kwargs)
-
-
 class VLLMEngine:
     """A vLLM engine owned by one searcher (in its process, or in child processes); an
     `hpc_tba.engine.base.Engine`."""
@@ -153,7 +118,7 @@ class VLLMEngine:
         self.in_process = not cfg.engine_process
         self.channel, self._watchdog = None, None
         self._shm_ident: str | None = None  # CPU tensor parallelism: vLLM's shared-memory prefix
-        self._request_ids = itertools.count()
+        self.request_ids = itertools.count()  # step-loop request ids, unique in this engine
         self.updates_in_flight = 0  # versions applied while requests were running
         self.step_stats = StepStats()  # what generate's step loop did (benchmarks, logs)
         self.min_tokens = 0  # benchmarks: no EOS before this many tokens (fixed-length responses)
@@ -241,7 +206,7 @@ class VLLMEngine:
             return self._sample_in_flight(prompts, n=n, temperature=temperature, max_tokens=max_tokens,
                                           weights_ready=weights_ready, apply=apply)
         params = sampling_params(n=n, temperature=temperature, max_tokens=max_tokens, logprobs=0,
-                                 seed=seed, **self._stop_kwargs())
+                                 seed=seed, **self.request_kwargs())
         if self.response_length is not None:  # benchmarks and tests: a length per prompt
             params = [self._fixed_length(params, p, max_tokens) for p in prompts]
         with self._engine_errors():
@@ -254,9 +219,15 @@ class VLLMEngine:
         params.max_tokens = params.min_tokens = min(max_tokens, self.response_length(prompt))
         return params
 
-    def _stop_kwargs(self, done: int = 0) -> dict:
-        """Stop strings, and the minimum length still owed after `done` tokens."""
+    def request_kwargs(self, done: int = 0) -> dict:
+        """Per-request settings of every generation call: stop strings, the minimum length still
+        owed after `done` tokens, and how vLLM hands outputs back. vLLM's text is never used (the
+        searcher decodes a finished response once, `decode`), so without stop strings, which need
+        it, nothing is detokenized step by step (`detokenize=False`: no incremental decode, nor a
+        decoded token per log-prob); log-probs come flat (`FlatLogprobs`: a few lists per request,
+        not a dict and a Logprob object per token)."""
         kw = {"stop": list(self.cfg.stop), "include_stop_str_in_output": True} if self.cfg.stop else {}
+        kw.update(detokenize=bool(self.cfg.stop), flat_logprobs=True)
         if self.min_tokens > done:
             kw["min_tokens"] = self.min_tokens - done
         return kw
@@ -275,80 +246,17 @@ class VLLMEngine:
                  capacity: int, weights_ready: Callable[[], bool] | None = None,
                  apply: Callable[[], None] | None = None,
                  max_version_span: int = 0) -> Iterator[Group]:
-        """Continuous generation on vLLM's step loop (engine.base.Engine.generate; module
-        docstring). Each of a group's n samples is its own request (vLLM's own `n` fans a request
-        out into n requests the same way; their prompt blocks are shared by the prefix cache)."""
-        from vllm.sampling_params import RequestOutputKind
-
-        if (weights_ready is None) != (apply is None):
-            raise ValueError("VLLMEngine.generate: in-flight updates need both weights_ready and apply")
-        if capacity < 1 or n < 1:
-            raise ValueError(f"VLLMEngine.generate: capacity={capacity} and n={n} must be >= 1")
-        engine = self.llm.llm_engine
-        if engine.has_unfinished_requests():
-            raise RuntimeError("VLLMEngine: continuous generation needs an idle engine")
-        runs: dict[str, _Run] = {}  # running requests
-        groups: list[_Group] = []  # admitted, not yet yielded, in admission order
-
-        def add(run: _Run) -> None:
-            budget, kw = max_tokens - len(run.tokens), self._stop_kwargs(len(run.tokens))
-            if self.response_length is not None:
-                budget = min(max_tokens, self.response_length(run.prompt)) - len(run.tokens)
-                kw["min_tokens"] = budget
-            params = sampling_params(n=1, temperature=temperature, logprobs=0, max_tokens=budget,
-                                     output_kind=RequestOutputKind.DELTA, **kw)
-            rid = f"hpc{next(self._request_ids)}"
-            runs[rid] = run
-            engine.add_request(rid, {"prompt_token_ids": list(run.prompt) + run.tokens}, params)
-
-        def admit() -> None:
-            while len(groups) < capacity and (got := next_prompt()) is not None:
-                group = _Group(got[0], [_Run(list(got[1])) for _ in range(n)])
-                groups.append(group)
-                for run in group.runs:
-                    add(run)
-
-        def finished() -> list[Group]:
-            done = [g for g in groups if all(r.finished for r in g.runs)]
-            for g in done:
-                groups.remove(g)
-            return [g.result() for g in done]
-
-        stats = self.step_stats
-        try:
-            with self._engine_errors():
-                admit()
-                while runs:
-                    stats.steps += 1
-                    stats.running += len(runs)
-                    for out in engine.step():
-                        runs[out.request_id].extend(out.outputs[0], self.version, finished=out.finished)
-                        if out.finished:
-                            del runs[out.request_id]
-                    yield from finished()
-                    if runs and weights_ready is not None and weights_ready():
-                        running = list(runs)
-                        engine.abort_request(running)
-                        aborted = [runs.pop(rid) for rid in running]
-                        t0 = time.perf_counter()
-                        apply()  # load_weights: new version, prefix cache reset (nothing is running)
-                        stats.apply_s += time.perf_counter() - t0
-                        self.updates_in_flight += 1
-                        for run in aborted:  # continued on the new weights, or given up (span cap)
-                            if max_version_span and len(set(run.versions)) >= max_version_span:
-                                run.finished = run.dropped = True
-                            else:
-                                stats.reprefill_tokens += len(run.prompt) + len(run.tokens)
-                                add(run)
-                        yield from finished()
-                    admit()
-        finally:  # closed early (the consumer stopped, or failed): leave the engine idle
-            if runs:
-                with contextlib.suppress(Exception):
-                    engine.abort_request(list(runs))
+        """Continuous generation on vLLM's step loop (engine.base.Engine.generate; step_loop.py).
+        Each of a group's n samples is its own request (vLLM's own `n` fans a request out into n
+        requests the same way; their prompt blocks are shared by the prefix cache)."""
+        loop = StepLoop(self, next_prompt, n=n, temperature=temperature, max_tokens=max_tokens,
+                        capacity=capacity, weights_ready=weights_ready, apply=apply,
+                        max_version_span=max_version_span)
+        with self._engine_errors():
+            yield from loop.run()
 
     def greedy(self, prompts: Sequence[Sequence[int]], *, max_tokens: int) -> list[list[int]]:
-        params = sampling_params(n=1, temperature=0.0, max_tokens=max_tokens, **self._stop_kwargs())
+        params = sampling_params(n=1, temperature=0.0, max_tokens=max_tokens, **self.request_kwargs())
         with self._engine_errors():
             outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params,
                                      use_tqdm=False)
@@ -401,9 +309,7 @@ class VLLMEngine:
 
     def _sample(self, completion) -> Sample:
         tokens = np.asarray(completion.token_ids, dtype=np.int32)
-        logp = np.array([step[t].logprob for step, t in zip(completion.logprobs, completion.token_ids)],
-                        dtype=np.float32)
-        return Sample(tokens, logp)
+        return Sample(tokens, np.asarray(sampled_logprobs(completion.logprobs, completion.token_ids), np.float32))
 
     def close(self) -> None:
         """Release everything the engine holds, so that a rebuilt one finds the memory free.
@@ -458,52 +364,6 @@ def _default_group_kept(keep: bool):
 
     with mock.patch.object(ps, "destroy_distributed_environment", destroy_vllm_world):
         yield
-
-
-@dataclasses.dataclass
-class StepStats:
-    """Counters of `VLLMEngine.generate`'s step loop, summed over every call (never reset)."""
-
-    steps: int = 0  # engine steps taken
-    running: int = 0  # requests running at the start of each step, summed (/ steps: the batch)
-    apply_s: float = 0.0  # seconds inside apply() (the engine paused for a weight update)
-    reprefill_tokens: int = 0  # prompt + generated tokens of the continuations after updates
-
-
-@dataclasses.dataclass
-class _Run:
-    """One in-flight sample: its prompt and what it generated so far, token by token."""
-
-    prompt: list[int]
-    tokens: list[int] = dataclasses.field(default_factory=list)
-    logp: list[float] = dataclasses.field(default_factory=list)
-    versions: list[int] = dataclasses.field(default_factory=list)
-    finished: bool = False
-    dropped: bool = False  # given up at an update (it would span more than max_version_span)
-
-    def extend(self, completion, version: int, *, finished: bool) -> None:
-        """Append a step's new tokens (a DELTA output), stamped with the engine's version."""
-        new = list(completion.token_ids)
-        self.tokens += new
-        self.logp += [step[t].logprob for step, t in zip(completion.logprobs, new)]
-        self.versions += [version] * len(new)
-        self.finished = finished
-
-    def sample(self) -> Sample:
-        return Sample(np.asarray(self.tokens, dtype=np.int32), np.asarray(self.logp, dtype=np.float32),
-                      np.asarray(self.versions, dtype=np.int64))
-
-
-@dataclasses.dataclass
-class _Group:
-    """The n runs of one admitted prompt (continuous generation)."""
-
-    key: object
-    runs: list[_Run]
-
-    def result(self) -> Group:
-        return Group(self.key, [r.sample() for r in self.runs if not r.dropped],
-                     sum(r.dropped for r in self.runs))
 
 
 class _EngineWatchdog:

@@ -23,7 +23,7 @@ Prompts longer than `max_model_len - max_new_tokens` are skipped before generati
 
 In-flight updates and what a mixed-version response means for each loss (docs/SEARCHERS.md):
 every token carries the version that produced it and its behaviour log-prob is exact under that
-version (the engine re-prefills running sequences under the new weights, engine/vllm_engine.py),
+version (the engine re-prefills running sequences under the new weights, engine/step_loop.py),
 so a mixed response is an exact sample of a known mixture policy mu(y_t | prefix) = pi_v(t).
 - TB uses no behaviour log-prob at all (valid for any full-support behaviour): unaffected.
 - TOPR's Delta = S - sum_t log mu(y_t | prefix) is exact, so its truncated weights are right.
