@@ -10,42 +10,25 @@ planner's TP rows.
 from __future__ import annotations
 
 import concurrent.futures
-import glob
 import os
-import types
 
 import numpy as np
 import pytest
 import torch
 from conftest import gloo_deepspeed, spawn_ranks
+from parallel_harness import (
+    CLIP,
+    OBJECTIVES,
+    G,
+    assert_equals_one_rank,
+    build_learner,
+    captured_step,
+    one_and_two_ranks,
+)
+from parallel_harness import batch as _batch
 
 from hpc_tba.comm.groups import free_ports
 from hpc_tba.topology import LayoutError, Topology
-
-G, K = 3, 3
-OBJECTIVES = {"tb": {}, "topr": {}, "grpo": {"kl_coef": 0.04}, "alol": {}}
-CLIP = 0.02
-
-
-def _model_path() -> str:
-    return sorted(p for p in glob.glob(os.path.expanduser("~/.cache/hpc_tba/models/tiny-llama-*"))
-                  if not p.endswith(".lock"))[0]
-
-
-def _batch(seed: int = 11):
-    """9 sequences in 3 groups: prompt + response lengths 9, 6, 13 | 8, 13, 10 | 10, 11, 10 (odd
-    and even, groups of different lengths), micro-batches of 2 that split groups."""
-    from hpc_tba.messages import SampledBatch
-
-    rng = np.random.default_rng(seed)
-    prompts = [rng.integers(3, 21, n).astype(np.int32) for n in (4, 7, 9)]
-    responses = [rng.integers(3, 21, n).astype(np.int32) for n in (5, 2, 9, 1, 6, 3, 1, 2, 1)]
-    return SampledBatch(
-        prompt_ids=np.repeat(np.arange(G), K).astype(np.int64), group_ids=np.repeat(np.arange(G), K),
-        prompt_tokens=[prompts[i // K] for i in range(G * K)], response_tokens=responses,
-        rewards=np.array([1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0], np.float32),
-        logp_behavior=[rng.normal(-3, 0.3, len(r)).astype(np.float32) for r in responses],
-        policy_versions=np.zeros(G * K, dtype=np.int64))
 
 
 def _full_grad(p: torch.nn.Parameter) -> torch.Tensor:
@@ -90,52 +73,16 @@ def _read_back(engine) -> dict:
 
 
 def _learner(rank: int, world: int, tp: int, name: str, run_dir: str):
-    from hpc_tba.buffer import BufferShard
-    from hpc_tba.config import BufferConfig, LearnerConfig
-    from hpc_tba.losses import make_config
-    from hpc_tba.roles.learner import Learner
-
-    cfg = LearnerConfig(total_steps=2, prompts_per_step=G, micro_batch_size=2, lr=1e-3, warmup_steps=1,
-                        logprob_chunk_tokens=3, grad_clip=CLIP, sync_wire_dtype="fp32",
-                        tensor_parallel_size=tp, param_persistence_threshold=0)
-    learner = Learner(cfg=cfg, loss=make_config(name=name, **OBJECTIVES[name]),
-                      shard=BufferShard(BufferConfig(), directory=None), k=K, temperature=0.7,
-                      model_path=_model_path(), transport=types.SimpleNamespace(rank=rank),
-                      topo=Topology.build(world, world, 0, needs_searchers=False, learner_tp_size=tp),
-                      sync_group=None, run_dir=run_dir)
+    learner = build_learner(rank, world, name, run_dir, tp=tp, param_persistence_threshold=0)
     for p in learner.engine.module.parameters():
         assert p.ds_tensor.dtype == torch.float32, "fp32 asked, fp32 built"
     return learner
 
 
 def _step(learner, batch) -> dict:
-    """One train_step on `batch`: the log-probs, the whole gradient before the update (and its
-    clipping), the loss metric and the whole weights after it."""
-    from hpc_tba.roles import learner as learner_mod
     from hpc_tba.roles import tensor_parallel
 
-    seen, step, accumulate = {}, learner.engine.step, learner_mod.microbatch.accumulate
-
-    def capture(*a, **kw):
-        seen["grad"] = torch.cat([_full_grad(p).flatten() for p in learner.engine.module.parameters()])
-        return step(*a, **kw)
-
-    def record(*a, **kw):
-        loss, metrics, logp = accumulate(*a, **kw)
-        seen["logp"] = logp.detach().clone()
-        return loss, metrics, logp
-
-    learner.engine.step = capture
-    learner_mod.microbatch.accumulate = record
-    try:
-        metrics = learner.train_step(batch if learner.peers.is_leader else None)
-    finally:
-        learner_mod.microbatch.accumulate = accumulate
-        learner.engine.step = step
-    params = list(learner.engine.module.parameters())
-    with tensor_parallel.gathered(params):
-        weights = torch.cat([p.detach().flatten().clone() for p in params])
-    return {"logp": seen["logp"], "grad": seen["grad"], "weights": weights, "loss": metrics["loss/total"]}
+    return captured_step(learner, batch, full_grad=_full_grad, gathered=tensor_parallel.gathered)
 
 
 def _worker(rank: int, world: int, port: int, path: str) -> None:
@@ -177,30 +124,13 @@ def _worker(rank: int, world: int, port: int, path: str) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("tp")
-    ports = free_ports(2)
-    for world in (1, 2):
-        (tmp / f"w{world}").mkdir()
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # the 1-rank reference beside the TP run
-        jobs = [pool.submit(spawn_ranks, _worker, world, (world, ports[world - 1], str(tmp / f"w{world}" / "tp.pt")),
-                            timeout_s=300) for world in (1, 2)]
-        for job in jobs:
-            job.result()
-    return {w: torch.load(tmp / f"w{w}" / "tp.pt") for w in (1, 2)}
+    return one_and_two_ranks(tmp_path_factory.mktemp("tp"), _worker, timeout_s=300)
 
 
 @pytest.mark.timeout(360)
 @pytest.mark.parametrize("name", list(OBJECTIVES))
 def test_tp2_equals_one_rank(runs, name):
-    one, tp2 = runs[1][name], runs[2][name]
-    assert one["grad"].norm() > CLIP, "vacuous: gradient clipping never acts"
-    assert (one["logp"] != 0).sum() == sum(len(r) for r in _batch().response_tokens)
-    torch.testing.assert_close(tp2["logp"], one["logp"], rtol=1e-5, atol=1e-5)
-    assert abs(tp2["loss"] - one["loss"]) <= 1e-5 * max(1.0, abs(one["loss"]))
-    scale = float(one["grad"].abs().max())  # TB's gradient reaches ~1e3: 1e-5 of the largest entry
-    assert tp2["grad"].shape == one["grad"].shape
-    assert float((tp2["grad"] - one["grad"]).abs().max()) <= 1e-5 * max(1.0, scale)
-    torch.testing.assert_close(tp2["weights"], one["weights"], rtol=1e-5, atol=1e-5)
+    assert_equals_one_rank(runs[1][name], runs[2][name])
 
 
 @pytest.mark.timeout(360)
