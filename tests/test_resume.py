@@ -1,10 +1,12 @@
 """Checkpoint, kill, resume: real processes (mpiexec, vLLM, DeepSpeed), real signals.
 
-- SIGKILL of the whole run, then `resume=auto`: the run continues from its latest checkpoint and
-  every (prompt, response) the buffer had acknowledged before the kill is still there.
+One run goes through both, in this order (three starts instead of four for a run each):
 - SIGUSR1 (Slurm's `--signal=USR1@grace`) to every rank: all learners checkpoint at the same
   step, the searchers are drained and stopped, the run exits within the grace time; `resume=auto`
-  then finishes the run.
+  then continues it from that step.
+- SIGKILL of the whole resumed run, then `resume=auto`: the run continues from its latest
+  checkpoint to the end, and every (prompt, response) the buffer had acknowledged before the kill
+  is still there.
 """
 import json
 import os
@@ -62,29 +64,6 @@ def _live_pairs(shard):
     return out
 
 
-def test_sigkill_then_resume_auto_loses_nothing(tmp_path):
-    run_dir = tmp_path / "run"
-    proc = _start(run_dir, "learner.total_steps=30", "learner.checkpoint_every=4")
-    _wait_for_step(proc, run_dir, 10)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    before = _live_pairs_of(run_dir)
-    assert before
-    ckpt = open(run_dir / "checkpoints" / "latest").read().strip()
-    saved_step = int(ckpt.split("_")[1])
-    assert saved_step >= 8 and saved_step % 4 == 0
-
-    proc = _start(run_dir, "learner.total_steps=16", "learner.checkpoint_every=4", "resume=auto")
-    out, _ = proc.communicate(timeout=900)
-    assert proc.returncode == 0, out[-3000:]
-    rows = [json.loads(line) for line in open(run_dir / "metrics_learner.jsonl")]
-    resumed = [r["checkpoint/resumed_step"] for r in rows if "checkpoint/resumed_step" in r]
-    assert resumed == [saved_step]
-    after_resume = [r["step"] for r in rows if "loss/tb" in r][-(16 - saved_step):]
-    assert after_resume == list(range(saved_step + 1, 17))
-    assert before <= _live_pairs_of(run_dir)  # nothing acknowledged before the kill was lost
-
-
 def _live_pairs_of(run_dir):
     from hpc_tba.buffer import BufferShard
     from hpc_tba.config import BufferConfig
@@ -92,9 +71,15 @@ def _live_pairs_of(run_dir):
     return _live_pairs(BufferShard.load(os.path.join(run_dir, "buffer"), BufferConfig(warm_start=0)))
 
 
+def _resumed_steps(run_dir):
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics_learner.jsonl"))]
+    return [r["checkpoint/resumed_step"] for r in rows if "checkpoint/resumed_step" in r]
+
+
 @pytest.mark.parametrize("grace_s", [60])
-def test_sigusr1_checkpoints_within_grace_then_resumes(tmp_path, grace_s):
+def test_sigusr1_then_sigkill_each_resumed_by_resume_auto(tmp_path, grace_s):
     run_dir = tmp_path / "run"
+    # SIGUSR1 to every rank: one checkpoint at the same step, exit within the grace time
     proc = _start(run_dir, "learner.total_steps=40")
     _wait_for_step(proc, run_dir, 6)
     t0 = time.time()
@@ -110,11 +95,30 @@ def test_sigusr1_checkpoints_within_grace_then_resumes(tmp_path, grace_s):
     assert (run_dir / "checkpoints" / f"step_{step:06d}" / "COMPLETE").exists()
     assert took < grace_s, f"checkpoint and exit took {took:.0f}s"
 
-    finish = step + 4  # a few steps past the checkpoint show the run continues from it
-    proc = _start(run_dir, f"learner.total_steps={finish}", "resume=auto")
+    # resume=auto continues from the USR1 checkpoint; SIGKILL of the whole run two steps after
+    # its first periodic checkpoint leaves that one as the latest
+    periodic = (step // 4 + 1) * 4
+    proc = _start(run_dir, "learner.total_steps=40", "learner.checkpoint_every=4", "resume=auto")
+    _wait_for_step(proc, run_dir, periodic + 2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert _resumed_steps(run_dir) == [step]
+    steps = [r["step"] for r in _steps(run_dir)]
+    assert steps == list(range(1, steps[-1] + 1)) and steps[-1] >= periodic + 2, steps
+    before = _live_pairs_of(run_dir)
+    assert before
+    ckpt = open(run_dir / "checkpoints" / "latest").read().strip()
+    saved_step = int(ckpt.split("_")[1])
+    assert saved_step >= periodic and saved_step % 4 == 0
+
+    # resume=auto again: from the latest checkpoint to the end, nothing acknowledged lost
+    finish = saved_step + 4  # a few steps past the checkpoint show the run continues from it
+    proc = _start(run_dir, f"learner.total_steps={finish}", "learner.checkpoint_every=4", "resume=auto")
     out, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, out[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == finish and not summary["preempted"]
-    rows = [json.loads(line) for line in open(run_dir / "metrics_learner.jsonl")]
-    assert [r["checkpoint/resumed_step"] for r in rows if "checkpoint/resumed_step" in r] == [step]
+    assert _resumed_steps(run_dir) == [step, saved_step]
+    after_resume = [r["step"] for r in _steps(run_dir)][-(finish - saved_step):]
+    assert after_resume == list(range(saved_step + 1, finish + 1))
+    assert before <= _live_pairs_of(run_dir)  # nothing acknowledged before the kill was lost
