@@ -72,19 +72,13 @@ def test_zero3_load_equals_from_pretrained_for_every_architecture(models):
 
 # ---------------------------------------------------------------- vLLM after a reload
 
-def _perturbed(path: str, seed: int = 7):
-    """transformers' model at `path` with every parameter moved, and its log-probs of RESPONSE.
-
-    Computed in a fresh process: vLLM's Transformers backend (GPT-NeoX, Phi, OLMo) patches
-    transformers' classes in place in a process that built an engine of them.
-    """
-    import multiprocessing
-
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
-        return pool.apply(_perturbed_here, (path, seed))
+RELOAD_CASES = [("gpt2", "hub"), ("gpt_neox", "hub"), ("qwen2", "save_pretrained"), ("gemma", "save_pretrained"),
+                ("llama", "save_pretrained"), ("qwen3", "save_pretrained"), ("mistral", "save_pretrained"),
+                ("phi", "save_pretrained"), ("olmo", "save_pretrained")]
 
 
-def _perturbed_here(path: str, seed: int):
+def _perturbed(path: str, seed: int):
+    """transformers' model at `path` with every parameter moved, and its log-probs of RESPONSE."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -97,24 +91,22 @@ def _perturbed_here(path: str, seed: int):
     return [(n, p.detach().clone()) for n, p in model.named_parameters()], logp
 
 
-RELOAD_CASES = [("gpt2", "hub"), ("gpt_neox", "hub"), ("qwen2", "save_pretrained"), ("gemma", "save_pretrained"),
-                ("llama", "save_pretrained"), ("qwen3", "save_pretrained"), ("mistral", "save_pretrained"),
-                ("phi", "save_pretrained"), ("olmo", "save_pretrained")]
+def _reload_case(path: str, seeds: tuple) -> tuple[list, list]:
+    """transformers' log-probs of RESPONSE after perturbing with each seed, and the engine's as
+    built, then after each in-place reload of those perturbed weights.
 
-
-def _reload_scores(path: str, reloads: list) -> list:
-    """The engine's log-probs of RESPONSE as built, then after each in-place reload of `reloads`.
-
-    In a fresh process, like `_perturbed`: an engine of GPT-NeoX, Phi or OLMo built in the test
-    process would patch transformers' classes for every later test of the session.
+    In one fresh process, transformers' side first: vLLM's Transformers backend (GPT-NeoX, Phi,
+    OLMo) patches transformers' classes in place in a process that builds an engine of them, so
+    neither this test process nor the reference log-probs may see an engine built.
     """
     import multiprocessing
 
     with multiprocessing.get_context("spawn").Pool(1) as pool:
-        return pool.apply(_reload_scores_here, (path, reloads))
+        return pool.apply(_reload_case_here, (path, seeds))
 
 
-def _reload_scores_here(path: str, reloads: list) -> list:
+def _reload_case_here(path: str, seeds: tuple) -> tuple[list, list]:
+    perturbed = [_perturbed(path, seed) for seed in seeds]  # before any engine exists here
     from hpc_tba.config import SearcherConfig
     from hpc_tba.engine.vllm_engine import VLLMEngine, configure_cpu_env
 
@@ -122,21 +114,18 @@ def _reload_scores_here(path: str, reloads: list) -> list:
     engine = VLLMEngine(path, SearcherConfig(max_new_tokens=8), seed=0)
     try:
         scores = [torch.from_numpy(engine.score(PROMPT, RESPONSE, temperature=1.0))]
-        for version, named in enumerate(reloads, start=1):
+        for version, (named, _) in enumerate(perturbed, start=1):
             engine.load_weights(named, version)
             scores.append(torch.from_numpy(engine.score(PROMPT, RESPONSE, temperature=1.0)))
     finally:
         engine.close()
-    return scores
+    return [logp for _, logp in perturbed], scores
 
 
 @pytest.mark.parametrize("case", RELOAD_CASES, ids=lambda c: c[0])
 def test_engine_logprobs_equal_transformers_after_a_reload(models, case):
-    path = models[case]
-    named, hf_logp = _perturbed(path)
-    named3, hf3 = _perturbed(path, seed=9)
-    # a second reload moves it again before the third is checked
-    before, after, _, third = _reload_scores(path, [named, _perturbed(path, seed=8)[0], named3])
+    # a second reload (seed 8) moves it again before the third is checked
+    (hf_logp, _, hf3), (before, after, _, third) = _reload_case(models[case], (7, 8, 9))
     assert (before - hf_logp).abs().max() > 1e-2  # the reload had something to change
     assert (after - hf_logp).abs().max() < 1e-4, (case, after, hf_logp)
     assert (third - hf3).abs().max() < 1e-4, (case, third, hf3)
