@@ -1,11 +1,15 @@
 """The benchmarks that had no run in the suite, at tiny sizes: each prints its figure lines (no
 thresholds: timings on a shared machine are not assertions), so no change breaks one unseen
-(bench_learner once crashed on main after its first line, issue 26)."""
+(bench_learner once crashed on main after its first line, issue 26). bench_buffer and
+bench_transport run in their own tests; bench_async (two whole runs, 2.5 min even at 4 steps)
+only under `-m long`."""
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -40,3 +44,26 @@ def test_bench_weight_sync_prints_its_figures():
     assert rows and rows[-1].rstrip().endswith("yes |"), out[-3000:]  # the receivers' copy is bit-exact
     for name in ("engine-process sync peak/bucket", "engine-process sync / raw broadcast"):
         assert _figure(out, name) > 0
+
+
+def test_bench_inflight_prints_its_figures():
+    """Every mode runs (continuous, between rounds, bare vLLM) and the three figures print."""
+    out = _run("bench_inflight.py", "--seconds", "3", "--max-new-tokens", "16", "--per-step", "4",
+               "--train-s", "0.1")
+    for name in ("sync staging peak/bucket", "in_flight/between_rounds learner wait",
+                 "in_flight/bare-vllm tokens/s"):
+        assert _figure(out, name) > 0
+    assert "| continuous" in out and "| bare-vllm" in out
+
+
+def test_bench_searcher_prints_its_ratio():
+    out = _run("bench_searcher.py", "--rounds", "2", "--warmup", "1")
+    lines = [line for line in out.splitlines() if line.startswith("ratio searcher / bare vLLM generate: ")]
+    assert lines and float(lines[-1].split(": ", 1)[1].split()[0]) > 0, out[-3000:]
+
+
+@pytest.mark.long
+def test_bench_async_prints_its_ratios(tmp_path):
+    out = _run("bench_async.py", "--seeds", "0", "--steps", "4", "--eval-every", "2", "--runs",
+               str(tmp_path / "runs"), "--out", str(tmp_path), "buffer.warm_start=50")
+    assert "sync ÷ async seconds per step:" in out and (tmp_path / "bench_async.json").exists(), out[-3000:]
