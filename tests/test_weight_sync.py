@@ -155,3 +155,27 @@ def _worker(rank: int, ports: list[int], result_dir: str) -> None:
 def test_three_process_gloo_sync(tmp_path):
     spawn_ranks(_worker, 3, (free_ports(3), str(tmp_path)), timeout_s=90)
     assert sorted(os.listdir(tmp_path)) == ["ok0", "ok1", "ok2"]
+
+
+def test_a_member_that_reads_headers_late_still_reads_every_one():
+    """Rank 0 may post sync headers faster than a member reads them (on gloo a broadcast completes
+    on rank 0 once its sends are buffered): a header's key stays until every member has read it.
+    Seen in a run: a searcher waited forever for a header whose key rank 0 had already dropped."""
+    import threading
+
+    from conftest import sync_group_pair
+
+    from hpc_tba.comm.weight_sync.group import _HEADER_KEY, _STORES, post_header, wait_header
+
+    tx, rx = sync_group_pair()
+    for version in (2, 4, 6):  # three syncs announced before the member reads the first
+        post_header(tx, [version, 0, 1])
+    got = []
+    reader = threading.Thread(target=lambda: got.extend(wait_header(rx, poll_s=1)[0] for _ in range(3)),
+                              daemon=True)
+    reader.start()
+    reader.join(timeout=20)
+    assert got == [2, 4, 6], f"read {got} of [2, 4, 6] (a dropped header blocks the reader)"
+    post_header(tx, [8, 0, 1])  # every earlier header was read: their keys go
+    store = _STORES[id(tx)][0]
+    assert [store.check([_HEADER_KEY.format(s)]) for s in range(4)] == [False, False, False, True]

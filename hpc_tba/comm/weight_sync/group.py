@@ -14,6 +14,7 @@ import torch
 
 _STORES: dict[int, list] = {}  # id(group) -> [its store, headers posted/read on this side]
 _HEADER_KEY = "hpc_tba/sync_header/{}"
+_READ_KEY = "hpc_tba/sync_header_read/{}"
 GROUP_TIMEOUT_S = 1800.0
 """Timeout of every process group the job makes (gloo and NCCL alike)."""
 
@@ -33,13 +34,14 @@ def new_group(*, host: str, port: int, rank: int, size: int, backend: str,
         pg = dist.ProcessGroupNCCL(store, rank, size, opts)
     else:
         raise ValueError(f"weight-sync backend {backend!r} is not gloo or nccl")
-    _STORES[id(pg)] = [store, 0]  # the group needs its store for as long as the process lives
+    _STORES[id(pg)] = [store, 0, 0]  # the group needs its store for as long as the process lives;
+    # [store, next header number, oldest header whose key may still be unread]
     return pg
 
 
 def attach_store(pg, store) -> None:
     """Give a group built elsewhere its header store (tests wrapping a group)."""
-    _STORES[id(pg)] = [store, 0]
+    _STORES[id(pg)] = [store, 0, 0]
 
 
 def _store_of(pg) -> list:
@@ -51,20 +53,24 @@ def _store_of(pg) -> list:
 
 
 def post_header(pg, header: list[int]) -> None:
-    """Rank 0: announce the next sync (its header ints) on the host; the previous header's key is
-    dropped (every member read it: it joined that sync's broadcasts)."""
+    """Rank 0: announce the next sync (its header ints) on the host. A header's key is dropped
+    once every member has read it (each counts itself on the store): a sync's broadcasts
+    completing on rank 0 does not mean every member has read its header (gloo's sends complete
+    once buffered, so rank 0 can post the next header before a slow member read this one)."""
     entry = _store_of(pg)
-    store, seq = entry
+    store, seq, oldest = entry
     store.set(_HEADER_KEY.format(seq), ",".join(str(int(x)) for x in header))
-    if seq > 0:
-        store.delete_key(_HEADER_KEY.format(seq - 1))
-    entry[1] = seq + 1
+    while oldest < seq and store.add(_READ_KEY.format(oldest), 0) >= pg.size() - 1:
+        store.delete_key(_HEADER_KEY.format(oldest))
+        store.delete_key(_READ_KEY.format(oldest))
+        oldest += 1
+    entry[1:] = [seq + 1, oldest]
 
 
 def wait_header(pg, *, poll_s: float = 60.0) -> list[int]:
     """Other ranks: block on the host until the next header is posted; returns its ints."""
     entry = _store_of(pg)
-    store, seq = entry
+    store, seq = entry[:2]
     key = _HEADER_KEY.format(seq)
     while True:
         try:
@@ -74,7 +80,9 @@ def wait_header(pg, *, poll_s: float = 60.0) -> list[int]:
             if "timeout" not in str(e):
                 raise
     entry[1] = seq + 1
-    return [int(x) for x in store.get(key).decode().split(",")]
+    header = [int(x) for x in store.get(key).decode().split(",")]
+    store.add(_READ_KEY.format(seq), 1)  # read: rank 0 may drop the key
+    return header
 
 
 def broadcast_async(pg, tensor: torch.Tensor):
@@ -117,7 +125,7 @@ def stop_receivers(pg, *, timeout_s: float = GROUP_TIMEOUT_S) -> None:
 
     from hpc_tba.comm.weight_sync.manifest import FLAG_STOP
 
-    store, seq = _store_of(pg)
+    store, seq = _store_of(pg)[:2]
     key = f"{_STOPPED_KEY}/{seq}"  # this STOP's header number: a group may be stopped again
     post_header(pg, [-1, FLAG_STOP, 0])
     deadline = time.monotonic() + timeout_s
@@ -131,5 +139,5 @@ def stop_receivers(pg, *, timeout_s: float = GROUP_TIMEOUT_S) -> None:
 def acknowledge_stop(pg) -> None:
     """A receiver has read STOP, the last header `wait_header` returned (`stop_receivers` waits
     for every receiver's acknowledgement)."""
-    store, seq = _store_of(pg)
+    store, seq = _store_of(pg)[:2]
     store.add(f"{_STOPPED_KEY}/{seq - 1}", 1)
