@@ -333,3 +333,25 @@ def test_tensor_parallel_engine_on_gpus_takes_the_broadcast_in_its_workers():
         assert torch.allclose(got, want, atol=1e-4), (got, want)
     finally:
         engine.close()
+
+
+def test_a_worker_that_reads_decisions_late_still_reads_every_one():
+    """The searcher may post decisions faster than a worker reads them (the learner's broadcasts
+    to the workers complete once gloo buffered them): a decision stays until every worker read it."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from hpc_tba.comm.groups import free_ports
+    from hpc_tba.comm.weight_sync.worker_groups import EngineSlot, join_store, wait_decision
+
+    port = free_ports(1)[0]
+    master = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=30))
+    slot = EngineSlot(master, index=0, gen=0, tp=1, host="127.0.0.1", port=port, backend="gloo")
+    for version in (2, 4, 6):
+        slot.decide(version, 0, True)
+    store, _ = join_store(**{k: v for k, v in slot.join_args().items() if k in ("host", "port", "prefix")})
+    got = [wait_decision(store, k, poll_s=1, stop=lambda: True) for k in range(3)]
+    assert got == [(2, 0, True), (4, 0, True), (6, 0, True)], got
+    slot.decide(8, 0, False)  # every earlier decision was read: their keys go
+    assert [master.check([f"{slot.prefix}/decide/{k}"]) for k in range(4)] == [False, False, False, True]

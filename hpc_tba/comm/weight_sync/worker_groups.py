@@ -38,6 +38,7 @@ _REG = "hpc_tba/engines/{}"
 _GEN = "hpc_tba/engines/{}/generations"
 _PREFIX = "hpc_tba/engines/{}/{}"  # a PrefixStore adds the "/"
 _DECIDE = "decide/{}"
+_DECIDE_READ = "decide_read/{}"
 _ABANDON = "abandon/{}"
 JOIN_WAIT_S = 10.0
 """How long learner rank 0 waits, at a sync, for a group an engine registered since the last one
@@ -82,7 +83,7 @@ class EngineSlot:
         self.store, self.index, self.gen, self.tp = store, index, gen, tp
         self.host, self.port, self.backend = host, port, backend
         self.prefix = _PREFIX.format(index, gen)
-        self._k = 0
+        self._k = self._oldest = 0
 
     def join_args(self) -> dict:
         """What every worker passes to `join_store` (plain values: they go through an RPC)."""
@@ -91,12 +92,16 @@ class EngineSlot:
 
     def decide(self, version: int, flags: int, accept: bool) -> int:
         """Tell the workers whether to load (accept) or drain this version; returns its number k.
-        The previous decision's key goes: the workers read it before that version's broadcasts,
-        which completed before the learner announced this one."""
+        A decision's key goes once every worker has read it (each counts itself): that a
+        version's broadcasts completed on the learner does not mean every worker read its
+        decision (gloo's sends complete once buffered)."""
         k, self._k = self._k, self._k + 1
-        self.store.set(f"{self.prefix}/{_DECIDE.format(k)}", f"{version},{flags},{int(accept)}")
-        if k > 0:
-            self.store.delete_key(f"{self.prefix}/{_DECIDE.format(k - 1)}")
+        key = f"{self.prefix}/{{}}"
+        self.store.set(key.format(_DECIDE.format(k)), f"{version},{flags},{int(accept)}")
+        while self._oldest < k and self.store.add(key.format(_DECIDE_READ.format(self._oldest)), 0) >= self.tp:
+            self.store.delete_key(key.format(_DECIDE.format(self._oldest)))
+            self.store.delete_key(key.format(_DECIDE_READ.format(self._oldest)))
+            self._oldest += 1
         return k
 
     def abandon(self, k: int) -> None:
@@ -138,6 +143,7 @@ def wait_decision(store, k: int, *, poll_s: float = 1.0, stop=None) -> tuple[int
             if stop is not None and stop():
                 return None
     version, flags, accept = (int(x) for x in store.get(key).decode().split(","))
+    store.add(_DECIDE_READ.format(k), 1)  # read: the searcher may drop the key
     return version, flags, bool(accept)
 
 
