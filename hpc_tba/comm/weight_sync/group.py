@@ -12,7 +12,7 @@ import datetime
 
 import torch
 
-_STORES: dict[int, list] = {}  # id(group) -> [its store, headers posted/read on this side]
+_STORES: dict[int, list] = {}  # id(group) -> [its store, next header number, oldest kept header]
 _HEADER_KEY = "hpc_tba/sync_header/{}"
 _READ_KEY = "hpc_tba/sync_header_read/{}"
 GROUP_TIMEOUT_S = 1800.0
@@ -60,11 +60,18 @@ def post_header(pg, header: list[int]) -> None:
     entry = _store_of(pg)
     store, seq, oldest = entry
     store.set(_HEADER_KEY.format(seq), ",".join(str(int(x)) for x in header))
-    while oldest < seq and store.add(_READ_KEY.format(oldest), 0) >= pg.size() - 1:
-        store.delete_key(_HEADER_KEY.format(oldest))
-        store.delete_key(_READ_KEY.format(oldest))
-        oldest += 1
+    oldest = drop_read_keys(store, oldest, seq, pg.size() - 1, _HEADER_KEY.format, _READ_KEY.format)
     entry[1:] = [seq + 1, oldest]
+
+
+def drop_read_keys(store, oldest: int, upto: int, readers: int, key, read_key) -> int:
+    """Delete the keys `key(i)` for oldest <= i < upto that all `readers` have counted themselves
+    on (`read_key(i)`), in order, stopping at the first one still unread; returns the new oldest."""
+    while oldest < upto and store.add(read_key(oldest), 0) >= readers:
+        store.delete_key(key(oldest))
+        store.delete_key(read_key(oldest))
+        oldest += 1
+    return oldest
 
 
 def wait_header(pg, *, poll_s: float = 60.0) -> list[int]:

@@ -32,7 +32,7 @@ import time
 
 import torch
 
-from hpc_tba.comm.weight_sync.group import GROUP_TIMEOUT_S, _store_of
+from hpc_tba.comm.weight_sync.group import GROUP_TIMEOUT_S, _store_of, drop_read_keys
 
 _REG = "hpc_tba/engines/{}"
 _GEN = "hpc_tba/engines/{}/generations"
@@ -96,12 +96,10 @@ class EngineSlot:
         version's broadcasts completed on the learner does not mean every worker read its
         decision (gloo's sends complete once buffered)."""
         k, self._k = self._k, self._k + 1
-        key = f"{self.prefix}/{{}}"
-        self.store.set(key.format(_DECIDE.format(k)), f"{version},{flags},{int(accept)}")
-        while self._oldest < k and self.store.add(key.format(_DECIDE_READ.format(self._oldest)), 0) >= self.tp:
-            self.store.delete_key(key.format(_DECIDE.format(self._oldest)))
-            self.store.delete_key(key.format(_DECIDE_READ.format(self._oldest)))
-            self._oldest += 1
+        self.store.set(f"{self.prefix}/{_DECIDE.format(k)}", f"{version},{flags},{int(accept)}")
+        self._oldest = drop_read_keys(self.store, self._oldest, k, self.tp,
+                                      lambda i: f"{self.prefix}/{_DECIDE.format(i)}",
+                                      lambda i: f"{self.prefix}/{_DECIDE_READ.format(i)}")
         return k
 
     def abandon(self, k: int) -> None:
