@@ -44,6 +44,9 @@ class _Group:
         self.audit = audit
         attach_store(self, dist.HashStore())  # the headers go to the group's store (host side)
 
+    def size(self):
+        return 1  # the learner alone: no searcher reads the headers
+
     def broadcast(self, tensors, opts):
         self.audit.check("weight-sync broadcast", tensors)
         return types.SimpleNamespace(wait=lambda: None)
