@@ -133,5 +133,28 @@ def finish_run(run_dir: str, summary: dict) -> None:
     print_summary(summary, run_dir=run_dir, report=path)
 
 
+def exit_process(code: int):
+    """End a rank's process now that its work is done, skipping Python's own teardown.
+
+    The rank's threads that are not daemons are joined, every exit handler runs (logging's,
+    vLLM's) and MPI is finalized, as at a normal exit; what is skipped is the interpreter's
+    teardown of its modules and their final garbage collections over the heap that vLLM,
+    transformers and DeepSpeed leave behind: ~3 s of every rank's exit here, measured on 2 cores
+    (after importing vLLM and DeepSpeed: 3.3 s to leave normally, 0.5 s this way)."""
+    import atexit
+    import threading
+
+    for t in threading.enumerate():
+        if t is not threading.current_thread() and not t.daemon:
+            t.join()
+    atexit._run_exitfuncs()  # what CPython's exit runs (no public name for it)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    mpi = sys.modules.get("mpi4py.MPI")  # mpi4py finalizes in a C-level exit hook, after teardown
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        mpi.Finalize()  # also lets the launcher forward this rank's last lines before it ends
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

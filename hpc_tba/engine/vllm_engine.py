@@ -30,8 +30,9 @@ In-flight updates (`sample(..., weights_ready=, apply=)`) and continuous generat
 (its docstring: aborts and continuations at an update, per-token versions, exact log-probs).
 
 Engine settings from the config: CUDA graphs on GPUs unless `searcher.enforce_eager` (None: eager
-on CPU only), `searcher.stop` strings (kept in the response), and `prompt_fits` for prompts too
-long for `max_model_len - max_new_tokens` (the searcher skips and counts them; vLLM would raise).
+on CPU only; an eager engine compiles nothing, `_compile_nothing`), `searcher.stop` strings (kept
+in the response), and `prompt_fits` for prompts too long for `max_model_len - max_new_tokens`
+(the searcher skips and counts them; vLLM would raise).
 """
 from __future__ import annotations
 
@@ -126,6 +127,8 @@ class VLLMEngine:
         # until then, the budget cut there), so groups of one batch finish at chosen times
         self.response_length: Callable[[Sequence[int]], int] | None = None
         kwargs = engine_kwargs(model_path, cfg, seed=seed, device=device)
+        if kwargs["enforce_eager"]:
+            _compile_nothing()
         if self.in_process:
             _select_engine_mode(in_process=True)
             import torch.distributed as dist
@@ -414,6 +417,23 @@ class _EngineWatchdog:
         self._thread.join()
         os.close(self._stop_r)
         os.close(self._stop_w)
+
+
+def _compile_nothing() -> None:
+    """An eager engine (`searcher.enforce_eager`) runs no torch.compile at all, in this process
+    and in the engine processes it starts (which inherit TORCH_COMPILE_DISABLE).
+
+    vLLM compiles a few helpers even in eager mode: its sampler's rank count
+    (`batched_count_greater_than`, an integer count: the same eagerly) on every device, and the
+    random sampling of its native (non-CPU) sampler. Compiling them cost every engine ~4 s of
+    its first generate on CPU (dynamo, inductor's C++ build, its ISA probe in a subprocess;
+    measured on 2 cores, 3.8 s -> 0.0 s). Eagerly, a native sampler draws from the same
+    distribution with eager torch's noise instead of inductor's. The learner compiles nothing
+    either, so an in-process runner sharing the process loses nothing."""
+    import torch._dynamo
+
+    os.environ["TORCH_COMPILE_DISABLE"] = "1"
+    torch._dynamo.config.disable = True
 
 
 def _select_engine_mode(*, in_process: bool) -> None:
