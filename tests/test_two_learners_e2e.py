@@ -1,4 +1,4 @@
-"""Two learners + two searchers end to end (mpiexec via the hpc-tba CLI, vLLM, DeepSpeed ZeRO-3
+"""Two learners + one searcher end to end (mpiexec via the hpc-tba CLI, vLLM, DeepSpeed ZeRO-3
 over 2 ranks, gloo), then a resume with 2 learners. Each trajectory must land in the shard that
 owns its prompt (prompt_id % num_learners), and the 2-rank learner must step, log one summary and
 continue from its checkpoint. Run under the machine-wide heavy lock with the other MPI tests.
@@ -12,7 +12,7 @@ from conftest import HPC_TBA
 from hpc_tba.buffer import BufferShard
 from hpc_tba.config import BufferConfig
 
-COMMON = ["cluster.num_learners=2", "cluster.num_searchers=2", "learner.sync_every=2",
+COMMON = ["cluster.num_learners=2", "cluster.num_searchers=1", "learner.sync_every=2",
           "learner.eval_every=0", "buffer.warm_start=24", "learner.prompts_per_step=2",
           "learner.micro_batch_size=3", "learner.export_final=false"]
 
