@@ -13,6 +13,7 @@ import os
 import sys
 import time
 import traceback
+from typing import NoReturn
 
 
 def run_rank(cfg) -> tuple[int, dict | None]:
@@ -133,7 +134,7 @@ def finish_run(run_dir: str, summary: dict) -> None:
     print_summary(summary, run_dir=run_dir, report=path)
 
 
-def exit_process(code: int):
+def exit_process(code: int) -> NoReturn:
     """End a rank's process now that its work is done, skipping Python's own teardown.
 
     The rank's threads that are not daemons are joined, every exit handler runs (logging's,

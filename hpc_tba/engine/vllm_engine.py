@@ -421,7 +421,8 @@ class _EngineWatchdog:
 
 def _compile_nothing() -> None:
     """An eager engine (`searcher.enforce_eager`) runs no torch.compile at all, in this process
-    and in the engine processes it starts (which inherit TORCH_COMPILE_DISABLE).
+    and in the engine processes it starts (which inherit TORCH_COMPILE_DISABLE); the setting
+    stays for the rest of the process (a searcher builds its engines from one config).
 
     vLLM compiles a few helpers even in eager mode: its sampler's rank count
     (`batched_count_greater_than`, an integer count: the same eagerly) on every device, and the
