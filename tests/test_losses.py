@@ -13,6 +13,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from loss_helpers import INF, NAN, leaf, t
 
 from hpc_tba.losses import (
     LossInputs,
@@ -27,17 +28,6 @@ from hpc_tba.losses import (
 )
 from hpc_tba.losses.registry import BUILTIN as ALGOS
 from hpc_tba.losses.registry import config_class, needs
-
-NAN, INF = float("nan"), float("inf")
-
-
-def t(rows):
-    return torch.tensor(rows, dtype=torch.float32)
-
-
-def leaf(rows):
-    return t(rows).requires_grad_()
-
 
 # ----------------------------------------------------------------------------------------- TB
 # Batch used by several TB tests: groups [0, 0, 1], β = 0.5.

@@ -8,18 +8,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from loss_helpers import NAN, leaf, t
 
 from hpc_tba.losses import alol
-
-NAN = float("nan")
-
-
-def t(rows):
-    return torch.tensor(rows, dtype=torch.float32)
-
-
-def leaf(rows):
-    return t(rows).requires_grad_()
 
 # -------------------------------------------------------------------------------------- A-LoL
 # Two samples, two tokens. S = [-2, -4], S_ref = [-3, -3]: ρ = [e, e^-1]; ε = 0.9 → clip to

@@ -7,20 +7,12 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from loss_helpers import NAN, leaf, t
 
 from hpc_tba.losses import dpo, dpo_pairs, grpo, rloo, sft
 from hpc_tba.losses.baselines import grpo_advantages
 
-NAN = float("nan")
 ONES = torch.ones(2, 2, dtype=torch.bool)
-
-
-def t(rows):
-    return torch.tensor(rows, dtype=torch.float32)
-
-
-def leaf(rows):
-    return t(rows).requires_grad_()
 
 
 # --------------------------------------------------------------------------------------- GRPO
