@@ -297,10 +297,13 @@ def embed(path: str, texts: Sequence[str], *, batch_size: int = 32) -> np.ndarra
     import torch
     from transformers import AutoModel, AutoTokenizer
 
+    from hpc_tba.models.construction import building
+
     tok = AutoTokenizer.from_pretrained(path)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
-    model = AutoModel.from_pretrained(path).eval()
+    with building():  # hpc_tba.models.construction: one model built at a time per process
+        model = AutoModel.from_pretrained(path).eval()
     rows = []
     with torch.inference_mode():
         for s in range(0, len(texts), batch_size):

@@ -21,6 +21,11 @@ hpc_tba.comm.inprocess instead of MPI. What one process allows, and how each is 
   process fails ("... group is already initialized"). More than one searcher therefore needs
   `searcher.engine_process=true` (each engine in a child process of its own, as it can be under
   mpiexec); `cluster.num_searchers > 1` without it is refused.
+- Building a model changes process-wide state (DeepSpeed's zero.Init patches every module's
+  construction; transformers and vLLM set torch's default dtype), so every model is built under
+  hpc_tba.models.construction's lock: the roles' threads build one model at a time (the same
+  code under mpiexec, where the lock is never contended). Engines in child processes start one
+  after another here.
 - A rank that fails aborts the in-process job: the others stop at their next transport call
   (`TransportAborted`), and the first failure is raised from `run_in_process`.
 

@@ -109,6 +109,14 @@ class VLLMEngine:
     `hpc_tba.engine.base.Engine`."""
 
     def __init__(self, model_path: str, cfg: SearcherConfig, *, seed: int, device: str = "cpu"):
+        from hpc_tba.models.construction import building
+
+        # vLLM's import and build included: a zero.Init window open in another thread of this
+        # process (the in-process runner's learner) would partition the engine's modules
+        with building():
+            self._build(model_path, cfg, seed=seed, device=device)
+
+    def _build(self, model_path: str, cfg: SearcherConfig, *, seed: int, device: str) -> None:
         from vllm import LLM
 
         from hpc_tba.models.naming import EngineNames

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from hpc_tba.models.checkpoint_keys import Checkpoint, ModelLoadError, check_causal_lm, model_config, plan_load
+from hpc_tba.models.construction import building
 
 __all__ = ["ModelLoadError", "check_dtype", "load_causal_lm"]
 
@@ -31,7 +32,13 @@ def load_causal_lm(path: str, *, dtype: torch.dtype, zero3_config: dict | None, 
     sync probe cannot agree (GPT-2's hub config has 0.1 everywhere; issue 19's GPT-2 gap).
     `weights=False` (ZeRO-3): the parameters are left unset, for a policy that a checkpoint
     overwrites next (a resume then reads no base weights: 141 GB at 70B); buffers still load.
+    Built under `construction.building()`: zero.Init patches module construction process-wide.
     """
+    with building():
+        return _load(path, dtype=dtype, zero3_config=zero3_config, rank=rank, weights=weights)
+
+
+def _load(path: str, *, dtype: torch.dtype, zero3_config: dict | None, rank: int, weights: bool):
     config = without_dropout(model_config(path))
     if zero3_config is None:
         model = _from_pretrained(path, config, dtype)

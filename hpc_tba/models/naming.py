@@ -46,11 +46,12 @@ def _engine_name_map(model_path: str) -> dict[str, str]:
     from transformers import AutoModelForCausalLM
 
     from hpc_tba.models.checkpoint_keys import check_causal_lm, model_config
+    from hpc_tba.models.construction import building
 
     config = model_config(model_path)
     check_causal_lm(model_path, config)
     try:
-        with torch.device("meta"):
+        with building(), torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
     except AssertionError:
         # vLLM's Transformers backend (GPT-NeoX, Phi, OLMo ...) decorates transformers' decoder
@@ -60,7 +61,7 @@ def _engine_name_map(model_path: str) -> dict[str, str]:
         from vllm.config.compilation import CompilationMode
 
         no_compile = VllmConfig(compilation_config=CompilationConfig(mode=CompilationMode.NONE))
-        with set_current_vllm_config(no_compile), torch.device("meta"):
+        with building(), set_current_vllm_config(no_compile), torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
     return model_to_checkpoint_names(model, [n for n, _ in model.named_parameters()])
 

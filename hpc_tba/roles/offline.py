@@ -70,11 +70,13 @@ def preprocess_file(path: str, model_path: str, *, temperature: float, task_cfg=
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hpc_tba.losses.value import fit_value_head
+    from hpc_tba.models.construction import building
     from hpc_tba.tasks import build_task
     from hpc_tba.tasks.offline import preprocess, read_offline
 
     tok = AutoTokenizer.from_pretrained(model_path)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    with building():  # hpc_tba.models.construction: one model built at a time per process
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     fmt = _formatter(build_task(task_cfg, tokenizer=tok)) if task_cfg is not None else (lambda t: t)
     columns = task_cfg.columns if task_cfg is not None else {}
     rows = read_offline(path, columns)

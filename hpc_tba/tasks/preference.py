@@ -64,11 +64,14 @@ class RewardModel:
         import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+        from hpc_tba.models.construction import building
+
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.tokenizer.truncation_side = "left"  # keep the end of the response
         ensure_pad_token(self.tokenizer, f"reward model {path}")
-        self.model: Any = AutoModelForSequenceClassification.from_pretrained(
-            path, dtype=getattr(torch, dtype)).to(device).eval()
+        with building():  # hpc_tba.models.construction: one model built at a time per process
+            self.model: Any = AutoModelForSequenceClassification.from_pretrained(
+                path, dtype=getattr(torch, dtype)).to(device).eval()
         if self.model.config.pad_token_id is None:  # needed to find each row's last real token
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
         if not 0 <= label < self.model.config.num_labels:

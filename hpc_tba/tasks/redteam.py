@@ -48,11 +48,14 @@ class HFVictim:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from hpc_tba.models.construction import building
+
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.tokenizer.padding_side = "left"  # generation continues from the right end
         ensure_pad_token(self.tokenizer, f"victim model {path}")
-        self.model: Any = AutoModelForCausalLM.from_pretrained(
-            path, dtype=getattr(torch, dtype)).to(device).eval()
+        with building():  # hpc_tba.models.construction: one model built at a time per process
+            self.model: Any = AutoModelForCausalLM.from_pretrained(
+                path, dtype=getattr(torch, dtype)).to(device).eval()
         self.max_new_tokens, self.batch_size, self.device = max_new_tokens, batch_size, device
         self._torch = torch
 
