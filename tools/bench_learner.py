@@ -283,107 +283,6 @@ def fmt(x: float) -> str:
     return f"{x:.3g}"
 
 
-# ---------------------------------------------------------------- sequence parallelism (issue 25)
-SP_LENGTH = 4  # the SP figures run sequences 4x the default prompt + response
-
-
-def sp_child(args: dict) -> dict:
-    """One rank of a 2-rank measurement (this fresh process): the real Learner with
-    learner.sequence_parallel_size=args['sp'] (1: two data-parallel ranks, each its own batch; 2:
-    both ranks split one batch's sequences), K sequences of SP_LENGTH x (prompt + response)."""
-    import types
-
-    import torch
-
-    torch.set_num_threads(args["threads"])
-    import deepspeed
-    import numpy as np
-
-    from hpc_tba.assembly.compose import compose
-    from hpc_tba.buffer import BufferShard
-    from hpc_tba.config import resolve_wire_dtype
-    from hpc_tba.messages import SampledBatch
-    from hpc_tba.roles.learner import Learner
-    from hpc_tba.topology import Topology
-
-    rank, sp, k = args["rank"], args["sp"], args["k"]
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(args["port"]))
-    deepspeed.init_distributed("gloo", auto_mpi_discovery=False, rank=rank, world_size=2,
-                               init_method=f"tcp://127.0.0.1:{args['port']}", verbose=False)
-    prompt_len, resp_len = SP_LENGTH * PROMPT, SP_LENGTH * RESPONSE
-    cfg = compose([f"model.path={args['path']}", f"algo={args['algo']}", f"searcher.k={k}",
-                   "learner.prompts_per_step=1", f"learner.micro_batch_size={args['micro']}",
-                   f"learner.gradient_checkpointing={args['checkpointing']}",
-                   f"searcher.max_model_len={prompt_len + resp_len}", f"searcher.max_new_tokens={resp_len}",
-                   "learner.dtype=fp32", "cluster.num_learners=2", "cluster.num_searchers=0",
-                   f"learner.sequence_parallel_size={sp}"])
-    rng = np.random.default_rng(rank if sp == 1 else 0)  # SP peers share one batch, DP ranks do not
-    vocab = SIZES[args["size"]][0]
-    prompt = rng.integers(3, vocab, prompt_len).astype(np.int32)
-    batch = SampledBatch(
-        prompt_ids=np.zeros(k, dtype=np.int64), group_ids=np.zeros(k, dtype=np.int64), prompt_tokens=[prompt] * k,
-        response_tokens=[rng.integers(3, vocab, resp_len).astype(np.int32) for _ in range(k)],
-        rewards=rng.random(k).astype(np.float32),
-        logp_behavior=[-rng.random(resp_len).astype(np.float32) * 5 for _ in range(k)],
-        policy_versions=np.zeros(k, dtype=np.int64))
-    import transformers.models.llama.modeling_llama  # noqa: F401
-
-    base = _rss("VmRSS")
-    with tempfile.TemporaryDirectory() as run_dir:
-        lr = dataclasses.replace(cfg.learner, sync_wire_dtype=resolve_wire_dtype(cfg.learner, cfg.searcher))
-        learner = Learner(cfg=lr, loss=cfg.algo, shard=BufferShard(cfg.buffer, directory=None), k=k,
-                          temperature=cfg.searcher.temperature, model_path=args["path"],
-                          transport=types.SimpleNamespace(rank=rank),
-                          topo=Topology.build(2, 2, 0, needs_searchers=False, sp_size=sp), sync_group=None,
-                          run_dir=os.path.join(run_dir, str(rank)))
-        mine = batch if sp == 1 or rank == 0 else None
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        learner.train_step(mine)  # warm-up: Adam's states
-        t0 = time.perf_counter()
-        for _ in range(max(args["steps"], 1)):
-            learner.train_step(mine)
-        dt = (time.perf_counter() - t0) / max(args["steps"], 1)
-    tokens = k * (prompt_len + resp_len) * (2 if sp == 1 else 1)  # both ranks together
-    return {"tokens_per_s": tokens / dt, "peak": _rss("VmHWM") - base}
-
-
-def measure_sp(path: str, size: str, a, *, sp: int) -> dict:
-    """Both ranks of a 2-rank SP (or DP) measurement; the larger peak of the two."""
-    from hpc_tba.comm.groups import free_ports
-
-    port = free_ports(1)[0]
-    path_env = os.pathsep.join(filter(None, [sys.path[0], os.environ.get("PYTHONPATH")]))
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
-               HPC_TBA_NO_PROGRESS="1", PYTHONPATH=path_env)
-    if a.mmap_threshold:
-        env["MALLOC_MMAP_THRESHOLD_"] = str(a.mmap_threshold)
-    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--sp-child", json.dumps(dict(
-        rank=r, sp=sp, port=port, path=path, size=size, k=a.sp_k, micro=a.sp_k, algo=a.algo[0],
-        checkpointing=a.checkpointing, steps=a.steps, threads=1))], stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, env=env) for r in range(2)]
-    outs = [p.communicate(timeout=a.timeout) for p in procs]
-    for p, (_, err) in zip(procs, outs):
-        if p.returncode != 0:
-            raise RuntimeError(f"SP {sp} failed:\n{err[-3000:]}")
-    res = [json.loads(o.strip().splitlines()[-1]) for o, _ in outs]
-    return {"tokens_per_s": res[0]["tokens_per_s"], "peak": max(r["peak"] for r in res)}
-
-
-def sequence_parallel_figures(a) -> None:
-    """`peak SP2/SP1 at 4x length` and `tokens/s SP2/SP1`: 2 ranks either way (the same ZeRO-3
-    sharding of the model states), SP 1 = each rank trains its own batch, SP 2 = both split one."""
-    size = a.sizes[0]
-    path = build_model(size)
-    sp1, sp2 = (measure_sp(path, size, a, sp=sp) for sp in (1, 2))
-    print(f"  {size:>5}: {SP_LENGTH * (PROMPT + RESPONSE)}-token sequences, K={a.sp_k}, 2 ranks: SP1 (DP) "
-          f"{sp1['tokens_per_s']:.1f} tok/s peak {sp1['peak'] / 2**30:.2f} GiB | SP2 {sp2['tokens_per_s']:.1f} "
-          f"tok/s peak {sp2['peak'] / 2**30:.2f} GiB", flush=True)
-    print(f"peak SP2/SP1 at 4x length = {fmt(sp2['peak'] / sp1['peak'])}")
-    print(f"tokens/s SP2/SP1 = {fmt(sp2['tokens_per_s'] / sp1['tokens_per_s'])}")
-
-
 def objectives() -> list[str]:
     """Every built-in objective of the loss registry."""
     from hpc_tba.losses.registry import BUILTIN
@@ -454,21 +353,12 @@ def main() -> int:
     ap.add_argument("--mmap-threshold", type=int, default=2**20,
                     help="glibc M_MMAP_THRESHOLD of the measured processes (0: glibc's dynamic default)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
-    ap.add_argument("--sp-child", help=argparse.SUPPRESS)
-    ap.add_argument("--sp-k", type=int, default=4, help="sequences of the sequence-parallel figures")
-    ap.add_argument("--sp-only", action="store_true", help="only the sequence-parallel figures")
     a = ap.parse_args()
     if a.child:
         print(json.dumps(child(json.loads(a.child))), flush=True)
         return 0
     a.algo = a.algo or objectives()
     osize = a.objectives_size or a.sizes[-1]
-    if a.sp_child:
-        print(json.dumps(sp_child(json.loads(a.sp_child))), flush=True)
-        return 0
-    if a.sp_only:
-        sequence_parallel_figures(a)
-        return 0
     print(f"bench_learner: prompt {PROMPT} + response {RESPONSE} tokens, K={a.k}, micro batch {a.micro}, "
           f"objectives {' '.join(a.algo)}, checkpointing {a.checkpointing}, 1 rank, {a.threads} threads, "
           f"mmap threshold {a.mmap_threshold or 'glibc default'}", flush=True)
@@ -494,7 +384,6 @@ def main() -> int:
     print(f"peak measured/planned = {fmt(ours['peak'] / plan)}")
     if not a.no_memory:
         print(f"peak K64/K8 = {fmt(k64['peak'] / k8['peak'])}")
-    sequence_parallel_figures(a)
     return 0
 
 
