@@ -334,6 +334,16 @@ def objective_ratios(a, size: str, first: tuple[dict, dict] | None) -> dict[str,
     return out
 
 
+def add_measure_options(ap: argparse.ArgumentParser) -> None:
+    """The options of how a measured process runs (bench_learner's and bench_sp's)."""
+    ap.add_argument("--checkpointing", action="store_true", help="learner.gradient_checkpointing")
+    ap.add_argument("--steps", type=int, default=1, help="timed steps after one warm-up step (0: time the warm-up)")
+    ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--mmap-threshold", type=int, default=2**20,
+                    help="glibc M_MMAP_THRESHOLD of the measured processes (0: glibc's dynamic default)")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", nargs="+", default=["10m", "50m"], choices=list(SIZES))
@@ -346,13 +356,8 @@ def main() -> int:
     ap.add_argument("--no-memory", action="store_true", help="skip the memory figures (K=64/K=8, planned)")
     ap.add_argument("--share-plain", action="store_true",
                     help="one plain measurement per set of passes, shared by the objectives that have it")
-    ap.add_argument("--checkpointing", action="store_true", help="learner.gradient_checkpointing")
-    ap.add_argument("--steps", type=int, default=1, help="timed steps after one warm-up step (0: time the warm-up)")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--timeout", type=float, default=1800)
-    ap.add_argument("--mmap-threshold", type=int, default=2**20,
-                    help="glibc M_MMAP_THRESHOLD of the measured processes (0: glibc's dynamic default)")
-    ap.add_argument("--child", help=argparse.SUPPRESS)
+    add_measure_options(ap)
     a = ap.parse_args()
     if a.child:
         print(json.dumps(child(json.loads(a.child))), flush=True)

@@ -29,7 +29,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench_learner import PROMPT, RESPONSE, SIZES, _rss, build_model, fmt  # noqa: E402
+from bench_learner import PROMPT, RESPONSE, SIZES, _rss, add_measure_options, build_model, fmt  # noqa: E402
 
 SP_LENGTH = 4  # the SP figures run sequences 4x the default prompt + response
 
@@ -136,12 +136,7 @@ def main() -> int:
     ap.add_argument("--size", default="10m", choices=list(SIZES))
     ap.add_argument("--k", type=int, default=4, help="sequences per step (one prompt group)")
     ap.add_argument("--algo", default="tb")
-    ap.add_argument("--checkpointing", action="store_true", help="learner.gradient_checkpointing")
-    ap.add_argument("--steps", type=int, default=1, help="timed steps after one warm-up step (0: time the warm-up)")
-    ap.add_argument("--timeout", type=float, default=1800)
-    ap.add_argument("--mmap-threshold", type=int, default=2**20,
-                    help="glibc M_MMAP_THRESHOLD of the measured processes (0: glibc's dynamic default)")
-    ap.add_argument("--child", help=argparse.SUPPRESS)
+    add_measure_options(ap)
     a = ap.parse_args()
     if a.child:
         print(json.dumps(child(json.loads(a.child))), flush=True)
