@@ -105,19 +105,20 @@ def run_config(path: str, *, k: int, micro: int, algo: str, checkpointing: bool,
                     "learner.dtype=fp32", "cluster.num_learners=1", f"cluster.num_searchers={searchers}"])
 
 
-def make_batch(vocab: int, k: int, seed: int = 0):
+def make_batch(vocab: int, k: int, seed: int = 0, *, prompt_len: int = PROMPT, resp_len: int = RESPONSE):
+    """One prompt group of K random responses, every one `prompt_len` + `resp_len` tokens."""
     import numpy as np
 
     from hpc_tba.messages import SampledBatch
 
     rng = np.random.default_rng(seed)
-    prompt = rng.integers(3, vocab, PROMPT).astype(np.int32)
+    prompt = rng.integers(3, vocab, prompt_len).astype(np.int32)
     return SampledBatch(
         prompt_ids=np.zeros(k, dtype=np.int64), group_ids=np.zeros(k, dtype=np.int64),
         prompt_tokens=[prompt] * k,
-        response_tokens=[rng.integers(3, vocab, RESPONSE).astype(np.int32) for _ in range(k)],
+        response_tokens=[rng.integers(3, vocab, resp_len).astype(np.int32) for _ in range(k)],
         rewards=rng.random(k).astype(np.float32),
-        logp_behavior=[-rng.random(RESPONSE).astype(np.float32) * 5 for _ in range(k)],
+        logp_behavior=[-rng.random(resp_len).astype(np.float32) * 5 for _ in range(k)],
         policy_versions=np.zeros(k, dtype=np.int64))
 
 

@@ -29,7 +29,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench_learner import PROMPT, RESPONSE, SIZES, _rss, add_measure_options, build_model, fmt  # noqa: E402
+from bench_learner import PROMPT, RESPONSE, SIZES, _rss, add_measure_options, build_model, fmt, make_batch  # noqa: E402
 
 SP_LENGTH = 4  # the SP figures run sequences 4x the default prompt + response
 
@@ -44,12 +44,10 @@ def child(args: dict) -> dict:
 
     torch.set_num_threads(args["threads"])
     import deepspeed
-    import numpy as np
 
     from hpc_tba.assembly.compose import compose
     from hpc_tba.buffer import BufferShard
     from hpc_tba.config import resolve_wire_dtype
-    from hpc_tba.messages import SampledBatch
     from hpc_tba.roles.learner import Learner
     from hpc_tba.topology import Topology
 
@@ -65,15 +63,8 @@ def child(args: dict) -> dict:
                    f"searcher.max_model_len={prompt_len + resp_len}", f"searcher.max_new_tokens={resp_len}",
                    "learner.dtype=fp32", "cluster.num_learners=2", "cluster.num_searchers=0",
                    f"learner.sequence_parallel_size={sp}"])
-    rng = np.random.default_rng(rank if sp == 1 else 0)  # SP peers share one batch, DP ranks do not
-    vocab = SIZES[args["size"]][0]
-    prompt = rng.integers(3, vocab, prompt_len).astype(np.int32)
-    batch = SampledBatch(
-        prompt_ids=np.zeros(k, dtype=np.int64), group_ids=np.zeros(k, dtype=np.int64), prompt_tokens=[prompt] * k,
-        response_tokens=[rng.integers(3, vocab, resp_len).astype(np.int32) for _ in range(k)],
-        rewards=rng.random(k).astype(np.float32),
-        logp_behavior=[-rng.random(resp_len).astype(np.float32) * 5 for _ in range(k)],
-        policy_versions=np.zeros(k, dtype=np.int64))
+    # SP peers share one batch, DP ranks do not
+    batch = make_batch(SIZES[args["size"]][0], k, rank if sp == 1 else 0, prompt_len=prompt_len, resp_len=resp_len)
     import transformers.models.llama.modeling_llama  # noqa: F401
 
     base = _rss("VmRSS")
