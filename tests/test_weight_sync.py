@@ -36,8 +36,12 @@ def test_manifest_buckets_and_json_round_trip():
 
 def test_manifest_rejects_bad_input():
     m = Manifest.build(SHAPES, bucket_bytes=1 << 20)
-    legacy = {k: v for k, v in m.to_json().items() if k != "wire_dtype"}
+    legacy = {k: v for k, v in m.to_json().items() if k not in ("wire_dtype", "piece_bytes")}
     assert Manifest.from_json(legacy).wire_dtype == "float32"  # manifests from before bf16
+    assert Manifest.from_json(legacy).piece_bytes == m.piece_bytes
+    assert Manifest.build(SHAPES, bucket_bytes=2048, piece_bytes=600).piece_numel == 150
+    with pytest.raises(ValueError, match="piece_bytes"):
+        Manifest.build(SHAPES, bucket_bytes=1024, piece_bytes=0)
     assert wire_dtype_name("bf16") == "bfloat16" and wire_dtype_name(torch.float32) == "float32"
     with pytest.raises(ValueError, match="wire dtype"):
         Manifest.build(SHAPES, bucket_bytes=1024, wire_dtype="int8")
@@ -140,10 +144,13 @@ def _worker(rank: int, ports: list[int], result_dir: str) -> None:
                      timeout_s=60)
     ctl = new_group(host="127.0.0.1", port=ports[2], rank=rank, size=3, backend="gloo",
                     timeout_s=60)
-    # direct: all-gather from the ZeRO-3 shards into the staging slot; else GatheredParameters
-    for dtype, direct in [(torch.float32, True), (torch.bfloat16, True), (torch.float32, False),
-                          (torch.bfloat16, False)]:
-        manifest = Manifest.build(_named_shapes(), bucket_bytes=2048, wire_dtype=dtype)
+    # direct: all-gather from the ZeRO-3 shards into the staging slot; else GatheredParameters.
+    # piece: bytes of one broadcast (a bucket travels as pieces cut across parameters: 600 B)
+    for dtype, direct, piece in [(torch.float32, True, 1 << 20), (torch.bfloat16, True, 1 << 20),
+                                 (torch.float32, False, 1 << 20), (torch.bfloat16, False, 1 << 20),
+                                 (torch.float32, True, 600), (torch.bfloat16, False, 600)]:
+        manifest = Manifest.build(_named_shapes(), bucket_bytes=2048, wire_dtype=dtype,
+                                  piece_bytes=piece)
         if rank == 0:
             _sender(model, manifest, sync, ctl, {}, direct=direct)
         else:

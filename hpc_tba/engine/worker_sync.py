@@ -29,7 +29,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from hpc_tba.comm.weight_sync import Manifest, broadcast_async, wait_host
+from hpc_tba.comm.weight_sync import Manifest
+from hpc_tba.comm.weight_sync.group import broadcast_pieces
 from hpc_tba.comm.weight_sync.worker_groups import abandoned, build_group, join_store, wait_decision
 
 WORKER_LIVE_BUCKETS = 2
@@ -188,7 +189,7 @@ class _VersionReceiver(CountedBuffers):
             self._ready.put(None)
 
     def _recv(self, t: torch.Tensor) -> None:
-        wait_host(broadcast_async(self.group, t), t)
+        broadcast_pieces(self.group, t, self.manifest.piece_numel)
 
     def _version(self, version: int, k: int, accept: bool) -> None:
         m = self.manifest

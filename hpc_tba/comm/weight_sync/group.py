@@ -104,6 +104,17 @@ def broadcast(pg, tensor: torch.Tensor) -> None:
     wait_host(broadcast_async(pg, tensor), tensor)
 
 
+def broadcast_pieces(pg, tensor: torch.Tensor, piece_numel: int) -> None:
+    """Broadcast a bucket from group rank 0 the way it travels (`Manifest.piece_numel`):
+    consecutive pieces of at most `piece_numel` elements, all posted at once, waited for on the
+    host."""
+    works = [broadcast_async(pg, tensor[s: s + piece_numel])
+             for s in range(0, tensor.numel(), piece_numel)]
+    for work in works:
+        work.wait()
+    sync_stream(tensor.device)
+
+
 def wait_host(work, tensor: torch.Tensor) -> None:
     """Wait for a collective on `tensor` until it has completed, on the host.
 

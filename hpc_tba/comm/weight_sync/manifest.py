@@ -32,6 +32,13 @@ def wire_dtype_name(dtype: torch.dtype | str) -> str:
     return name
 
 
+WIRE_PIECE_BYTES = 16 << 20
+"""Most bytes of one broadcast: a bucket travels as consecutive pieces of at most this size, each
+sent as soon as the gather has filled it (tools/bench_weight_sync.py: 16 MiB broadcasts reach
+0.9x one flat broadcast here, and with 256 MiB buckets sent whole the first bucket's gather could
+not overlap anything)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Manifest:
     """Parameter names and shapes in broadcast order, grouped into buckets, and the wire dtype."""
@@ -41,16 +48,21 @@ class Manifest:
     buckets: tuple[tuple[int, ...], ...]  # indices into names, in order
     wire_dtype: str = "float32"
     """Name (a key of WIRE_DTYPES) of the dtype every bucket travels in."""
+    piece_bytes: int = WIRE_PIECE_BYTES
+    """Most bytes of one broadcast (`pieces`); buckets stay the unit of memory."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "wire_dtype", wire_dtype_name(self.wire_dtype))
         order = [i for b in self.buckets for i in b]
         if order != list(range(len(self.names))) or len(self.shapes) != len(self.names):
             raise ValueError("weight manifest buckets must cover every parameter once, in order")
+        if self.piece_bytes <= 0:
+            raise ValueError(f"weight manifest piece_bytes={self.piece_bytes} must be positive")
 
     @classmethod
     def build(cls, named_shapes: list[tuple[str, tuple[int, ...]]], *, bucket_bytes: int,
-              wire_dtype: torch.dtype | str = torch.float32) -> Manifest:
+              wire_dtype: torch.dtype | str = torch.float32,
+              piece_bytes: int = WIRE_PIECE_BYTES) -> Manifest:
         """Greedy bucketing: a bucket closes before the parameter that would overflow it (a
         parameter larger than `bucket_bytes` gets a bucket of its own)."""
         itemsize = torch.empty((), dtype=WIRE_DTYPES[wire_dtype_name(wire_dtype)]).element_size()
@@ -65,20 +77,28 @@ class Manifest:
         if current:
             buckets.append(tuple(current))
         return cls(tuple(n for n, _ in named_shapes), tuple(tuple(s) for _, s in named_shapes),
-                   tuple(buckets), wire_dtype_name(wire_dtype))
+                   tuple(buckets), wire_dtype_name(wire_dtype), piece_bytes)
 
     def to_json(self) -> dict:
         return {"names": list(self.names), "shapes": [list(s) for s in self.shapes],
-                "buckets": [list(b) for b in self.buckets], "wire_dtype": self.wire_dtype}
+                "buckets": [list(b) for b in self.buckets], "wire_dtype": self.wire_dtype,
+                "piece_bytes": self.piece_bytes}
 
     @classmethod
     def from_json(cls, d: dict) -> Manifest:
         return cls(tuple(d["names"]), tuple(tuple(s) for s in d["shapes"]),
-                   tuple(tuple(b) for b in d["buckets"]), d.get("wire_dtype", "float32"))
+                   tuple(tuple(b) for b in d["buckets"]), d.get("wire_dtype", "float32"),
+                   d.get("piece_bytes", WIRE_PIECE_BYTES))
 
     @property
     def dtype(self) -> torch.dtype:
         return WIRE_DTYPES[self.wire_dtype]
+
+    @property
+    def piece_numel(self) -> int:
+        """Most elements of one broadcast: every bucket travels as consecutive pieces of this many
+        elements (the last one shorter), on the sender and every receiver alike."""
+        return max(1, self.piece_bytes // self.dtype.itemsize)
 
     def bucket_numel(self, b: int) -> int:
         return sum(math.prod(self.shapes[i]) for i in self.buckets[b])

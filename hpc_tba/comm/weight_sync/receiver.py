@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from hpc_tba.comm.weight_sync.group import acknowledge_stop, broadcast, wait_header
+from hpc_tba.comm.weight_sync.group import acknowledge_stop, broadcast_pieces, wait_header
 from hpc_tba.comm.weight_sync.manifest import FLAG_EVAL, FLAG_STOP, Manifest
 
 
@@ -219,7 +219,7 @@ class WeightReceiver:
         if self._bucket is None:
             self._bucket = self._alloc(m.largest_bucket_numel, self.device)
         for b in range(len(m.buckets)):
-            broadcast(self.group, self._bucket[: m.bucket_numel(b)])
+            broadcast_pieces(self.group, self._bucket[: m.bucket_numel(b)], m.piece_numel)
         if self.staging == "stream" or self._workers is not None:  # freed: the bound is buckets
             self._bucket = None
         if skipped:
@@ -249,12 +249,12 @@ class WeightReceiver:
         in_place = flat.device.type == torch.device(self.device).type
         for b in range(len(m.buckets)):
             if in_place:
-                broadcast(self.group, flat[starts[b]: starts[b + 1]])
+                broadcast_pieces(self.group, flat[starts[b]: starts[b + 1]], m.piece_numel)
                 continue
             if self._bucket is None:  # NCCL receives into device memory only
                 self._bucket = self._alloc(m.largest_bucket_numel, self.device)
             part = self._bucket[: m.bucket_numel(b)]
-            broadcast(self.group, part)
+            broadcast_pieces(self.group, part, m.piece_numel)
             flat[starts[b]: starts[b + 1]].copy_(part)
         staged = StagedWeights(version, flags, _views(m, flat, 0))
         with self._cond:
@@ -310,7 +310,7 @@ class WeightReceiver:
                 self._cond.wait_for(lambda: self._stream_live < 2 or self._overdraft)
                 self._want_bucket = self._overdraft = False
             buf = self._alloc(m.bucket_numel(b), self.device, stream=True)
-            broadcast(self.group, buf)
+            broadcast_pieces(self.group, buf, m.piece_numel)
             with self._cond:
                 self._buckets.put((b, buf))
                 self._cond.notify_all()

@@ -69,12 +69,15 @@ class WeightSender:
             # other learner ranks need a slot only as the all-gather's output
             flat = self._free_slot(b % 2, m.bucket_numel(b)) if root or self.direct else None
             t1 = time.perf_counter()
-            self._gather([self.params[i] for i in idx], b % 2, flat, pack=root)
-            t_wait, t_gather = t_wait + t1 - t0, t_gather + time.perf_counter() - t1
+            post = None
+            if root:  # each piece goes as soon as it is gathered: the rest's gather overlaps it
+                post = _Pieces(flat, m.piece_numel, self._works[b % 2],
+                               [(i, pg) for i, pg in groups if i is None or self._engine_alive(i)])
+            self._gather([self.params[i] for i in idx], b % 2, flat, pack=root, ready=post)
             if root:
-                self._works[b % 2] = [(i, broadcast_async(pg, flat)) for i, pg in groups
-                                      if i is None or self._engine_alive(i)]
+                post(flat.numel())
                 sent += flat.numel() * flat.element_size()
+            t_wait, t_gather = t_wait + t1 - t0, t_gather + time.perf_counter() - t1
         t0 = time.perf_counter()
         if root:
             for slot in range(len(self._works)):
@@ -84,7 +87,9 @@ class WeightSender:
         return sent
 
     def _gather(self, params: list[torch.nn.Parameter], slot: int, flat: torch.Tensor, *,
-                pack: bool) -> None:
+                pack: bool, ready=None) -> None:
+        """Gather `params` into `flat` (slot `slot`); `ready(n)` (rank 0) each time flat[:n] holds
+        its final bytes (a parameter's zero padding spills only past n)."""
         if not self.direct:
             import deepspeed
 
@@ -108,6 +113,8 @@ class WeightSender:
                 _all_gather(out, shard, p.ds_process_group)
                 whole[off: off + p.ds_numel].copy_(out[: p.ds_numel])
             off += p.ds_numel
+            if ready is not None:
+                ready(off)
 
     def _engine_alive(self, i: int) -> bool:
         return any(j == i for j, _ in self.engines.groups())
@@ -142,6 +149,26 @@ class WeightSender:
     def stop(self) -> None:
         if self.group is not None:
             stop_receivers(self.group)
+
+
+class _Pieces:
+    """Rank 0's broadcasts of one bucket: `self(n)` posts, to every target group, each piece of
+    `piece` elements (the manifest's `piece_numel`; the last one shorter) that lies within
+    flat[:n], in order; the Works go to `works` (the slot's, waited for before it is refilled)."""
+
+    def __init__(self, flat: torch.Tensor, piece: int, works: list, targets: list):
+        self.flat, self.piece, self.works, self.targets = flat, piece, works, targets
+        self.sent = 0
+
+    def __call__(self, ready: int) -> None:
+        end = self.flat.numel()
+        while self.sent < end:
+            stop = min(self.sent + self.piece, end)
+            if stop > ready:
+                return
+            part = self.flat[self.sent: stop]
+            self.works.extend((i, broadcast_async(pg, part)) for i, pg in self.targets)
+            self.sent = stop
 
 
 def _shard_gatherable(p: torch.nn.Parameter, device: torch.device) -> bool:
