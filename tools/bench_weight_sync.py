@@ -26,6 +26,9 @@ is not timed) that receive every bucket themselves on their engine group, while 
     engine-process sync / raw broadcast = Y   (raw s / engine-process sync s; raw: one flat
         broadcast of the same bytes on the same engine group, learner -> both workers)
 
+and, for context, the same bytes as one broadcast per bucket on that group, back to back into
+preallocated buffers with no loader: what a bucketed protocol costs on the group by itself.
+
 It ends with the analytic time of a 70B bf16 sync over InfiniBand.
 """
 from __future__ import annotations
@@ -213,14 +216,26 @@ class _StandInWorker:
         for name, t in weights_iterator:
             self.params[name].copy_(t)
 
-    def raw(self, numel: int, repeats: int) -> None:
-        """The raw baseline: `repeats` + 1 flat broadcasts of `numel` fp32 on the engine group
-        itself, into one buffer allocated (and faulted in) before the first."""
+    def raw(self, numel: int, repeats: int, sizes: list[int] | None = None) -> None:
+        """The raw baselines: `repeats` + 1 broadcasts of `numel` fp32 on the engine group itself,
+        into one buffer allocated (and faulted in) before the first: one flat broadcast, or (with
+        `sizes`) one per bucket, back to back (no loader, no allocation, no decision)."""
         from hpc_tba.comm.weight_sync import broadcast_async
 
         buf = torch.zeros(numel)
         for _ in range(repeats + 1):
-            broadcast_async(self.w._hpc_tba_sync.group, buf).wait()
+            for part in _cut(buf, sizes):
+                broadcast_async(self.w._hpc_tba_sync.group, part).wait()
+
+
+def _cut(flat: torch.Tensor, sizes: list[int] | None) -> list[torch.Tensor]:
+    """`flat` whole, or as consecutive slices of `sizes` elements."""
+    if sizes is None:
+        return [flat]
+    starts = [0]
+    for n in sizes:
+        starts.append(starts[-1] + n)
+    return [flat[a:b] for a, b in zip(starts, starts[1:])]
 
 
 def _serve_worker(rank: int, conn, shapes) -> None:
@@ -316,19 +331,24 @@ def _engine_worker(rank: int, args, ports: list[int], shapes, bucket: int, out) 
     # raw: one flat broadcast of the same bytes, on the engine group (learner -> both workers)
     # and, for reference, on the sync group (learner -> the searcher's process)
     # (timed on the learner, each after the workers' buffer exists: the best that group can do)
-    raws, raws_sync = [], []
-    _barrier(ctl)
-    if rank == 0:
-        [(_, group)] = sender.engines.groups()
-        flat = torch.randn(m.numel)
-        for r in range(args.repeats + 1):
-            t0 = time.perf_counter()
-            broadcast_async(group, flat).wait()
-            if r:
-                raws.append(time.perf_counter() - t0)
-    else:
-        engine.rpc("raw", numel=m.numel, repeats=args.repeats)
-    _barrier(ctl)
+    # and, for context, the same bytes as one broadcast per bucket on the engine group, back to
+    # back into preallocated buffers (what a bucketed protocol costs on this group by itself)
+    raws, raws_sync, raws_cut = [], [], []
+    sizes = [m.bucket_numel(b) for b in range(len(m.buckets))]
+    flat = torch.randn(m.numel) if rank == 0 else None
+    for cut, out_s in ((None, raws), (sizes, raws_cut)):
+        _barrier(ctl)
+        if rank == 0:
+            [(_, group)] = sender.engines.groups()
+            for r in range(args.repeats + 1):
+                t0 = time.perf_counter()
+                for w in [broadcast_async(group, part) for part in _cut(flat, cut)]:
+                    w.wait()
+                if r:
+                    out_s.append(time.perf_counter() - t0)
+        else:
+            engine.rpc("raw", numel=m.numel, repeats=args.repeats, sizes=cut)
+        _barrier(ctl)
     buf = torch.zeros(m.numel) if rank else flat
     for r in range(args.repeats + 1):
         _barrier(ctl)
@@ -340,7 +360,7 @@ def _engine_worker(rank: int, args, ports: list[int], shapes, bucket: int, out) 
     if rank == 0:
         sender.stop()
         out.put(("times", statistics.median(times), statistics.median(raws),
-                 statistics.median(raws_sync), len(m.buckets)))
+                 statistics.median(raws_sync), len(m.buckets), statistics.median(raws_cut)))
     else:
         rx.join(timeout=60)
         out.put(("peak", max(peaks) / (m.largest_bucket_numel * 4), rx.peak_staging_bytes))
@@ -368,7 +388,7 @@ def engine_process_rows(args) -> None:
     while not out.empty():
         item = out.get()
         got[item[0]] = item[1:]
-    sync_s, raw_s, raw_sync_s, nb = got["times"]
+    sync_s, raw_s, raw_sync_s, nb, raw_cut_s = got["times"]
     print(f"engine processes (TP=2 stand-in workers in the learner's broadcast, fp32): "
           f"{total / 1e9:.3f} GB in {nb} buckets of <= {bucket / 2**20:.1f} MiB; sync {sync_s:.3f} s "
           f"(learner send -> both workers loaded), raw broadcast on the engine group {raw_s:.3f} s, "
@@ -376,6 +396,9 @@ def engine_process_rows(args) -> None:
           f"process staging peak {got['peak'][1]} B")
     print(f"engine-process sync peak/bucket = {got['peak'][0]:.2f}")
     print(f"engine-process sync / raw broadcast = {raw_s / sync_s:.2f}")
+    print(f"(context: the same bytes as {nb} back-to-back bucket broadcasts on the engine group, "
+          f"preallocated, no loader: {raw_cut_s:.3f} s, raw / that = {raw_s / raw_cut_s:.2f}: "
+          f"what bucket-by-bucket costs on this group by itself)")
 
 
 def analytic_70b(link_gbit: float = 400.0, efficiency: float = 0.8, params: float = 70e9,

@@ -244,8 +244,10 @@ class _VersionReceiver(CountedBuffers):
             except queue.Empty:
                 if self.error is not None:
                     raise RuntimeError(f"engine weight sync: receiving failed: {self.error}") from self.error
-                with self._cond:
-                    if self._blocked:  # the thread waits for room while the loader holds all
+                with self._cond:  # the thread waits for room while the loader holds all (and
+                    # did not just put the next bucket: it puts before it waits, so an empty queue
+                    # read under the lock means it is truly stuck)
+                    if self._blocked and self._ready.empty():
                         self._overdraft = True
                         self._cond.notify_all()
                 continue
