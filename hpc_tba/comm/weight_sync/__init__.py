@@ -6,14 +6,16 @@ broadcasts never share a communicator. Backend `gloo` on CPU and `nccl` on GPU: 
 
 Protocol, per sync: a header [version, flags, num_buckets, data on this group, the engine-group
 generation of every searcher] posted on the host (a key of the
-group's TCPStore: no receive is pending on the group between syncs), then one broadcast of a
-flat buffer per bucket in manifest order, in the manifest's wire dtype (fp32 by default, bf16 for large models on
+group's TCPStore: no receive is pending on the group between syncs), then each bucket's flat
+buffer in manifest order, as consecutive broadcasts of at most `Manifest.piece_bytes` (the
+sender posts each piece once gathered), in the manifest's wire dtype (fp32 by default, bf16 for large models on
 GPU: half the bytes, and what the engine runs in anyway). The manifest (parameter names and shapes
 in a fixed order, split into buckets of at most `bucket_bytes` on the wire, and the wire dtype) is
 agreed once at setup, so no per-parameter message is ever sent and both sides size every buffer
 the same way.
 
-Sender: the ZeRO-3 gather of bucket i+1 overlaps the broadcast of bucket i. Two flat staging
+Sender: the ZeRO-3 gather of bucket i+1 (and of a bucket's later pieces) overlaps the broadcast
+of bucket i (of its earlier pieces). Two flat staging
 slots alternate; a slot is refilled only once the broadcast that last read it has completed.
 Learner ranks other than 0 join only the gathers.
 
