@@ -14,6 +14,7 @@ import torch
 from conftest import sync_group_pair
 
 from hpc_tba.comm.weight_sync import Manifest, WeightReceiver, WeightSender
+from hpc_tba.comm.weight_sync.manifest import WIRE_PIECE_BYTES
 from hpc_tba.engine.worker_ext import WeightHopExtension
 from hpc_tba.engine.worker_sync import join_workers, load_version, worker_sync_bytes
 
@@ -125,8 +126,8 @@ def _assert_loaded(engine: _Engine, want: dict) -> None:
             assert torch.equal(params[name], t), name
 
 
-def _setup(delay_s: float = 0.0):
-    m = Manifest.build(LAYERS, bucket_bytes=BUCKET)
+def _setup(delay_s: float = 0.0, piece_bytes: int = WIRE_PIECE_BYTES):
+    m = Manifest.build(LAYERS, bucket_bytes=BUCKET, piece_bytes=piece_bytes)
     assert len(m.buckets) == 40
     tx, rx_pg = sync_group_pair()
     model = _Model()
@@ -145,8 +146,9 @@ def _teardown(sender, rx, engine) -> None:
     engine.close()
 
 
-def test_workers_receive_the_broadcast_bucket_by_bucket_and_the_searcher_holds_nothing():
-    m, model, sender, rx, engine = _setup()
+@pytest.mark.parametrize("piece_bytes", [WIRE_PIECE_BYTES, 1000])  # 1000: a bucket in 5 pieces
+def test_workers_receive_the_broadcast_bucket_by_bucket_and_the_searcher_holds_nothing(piece_bytes):
+    m, model, sender, rx, engine = _setup(piece_bytes=piece_bytes)
     try:
         for version in (1, 2):
             want = model.set(version)
