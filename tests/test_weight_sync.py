@@ -40,6 +40,8 @@ def test_manifest_rejects_bad_input():
     assert Manifest.from_json(legacy).wire_dtype == "float32"  # manifests from before bf16
     assert Manifest.from_json(legacy).piece_bytes == m.piece_bytes
     assert Manifest.build(SHAPES, bucket_bytes=2048, piece_bytes=600).piece_numel == 150
+    # no bucket in more than MAX_PIECES (8) broadcasts: the 1024-element embedding in 128s
+    assert Manifest.build(SHAPES, bucket_bytes=2048, piece_bytes=4).piece_numel == 128
     with pytest.raises(ValueError, match="piece_bytes"):
         Manifest.build(SHAPES, bucket_bytes=1024, piece_bytes=0)
     assert wire_dtype_name("bf16") == "bfloat16" and wire_dtype_name(torch.float32) == "float32"

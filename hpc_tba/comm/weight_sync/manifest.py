@@ -33,10 +33,14 @@ def wire_dtype_name(dtype: torch.dtype | str) -> str:
 
 
 WIRE_PIECE_BYTES = 16 << 20
-"""Most bytes of one broadcast: a bucket travels as consecutive pieces of at most this size, each
-sent as soon as the gather has filled it (tools/bench_weight_sync.py: 16 MiB broadcasts reach
-0.9x one flat broadcast here, and with 256 MiB buckets sent whole the first bucket's gather could
-not overlap anything)."""
+"""Bytes of one broadcast: a bucket travels as consecutive pieces of this size, each sent as soon
+as the gather has filled it (tools/bench_weight_sync.py: 16 MiB broadcasts reach 0.9x one flat
+broadcast here, and with 256 MiB buckets sent whole the first bucket's gather could not overlap
+anything), or larger, so that no bucket takes more than MAX_PIECES broadcasts."""
+MAX_PIECES = 8
+"""Most broadcasts per bucket (each NCCL collective has a fixed launch cost: a 512 MiB bucket
+goes as 8 pieces of 64 MiB, not 32 of 16 MiB); the gather exposed before a bucket's first
+piece goes is at most 1/MAX_PIECES of it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +53,8 @@ class Manifest:
     wire_dtype: str = "float32"
     """Name (a key of WIRE_DTYPES) of the dtype every bucket travels in."""
     piece_bytes: int = WIRE_PIECE_BYTES
-    """Most bytes of one broadcast (`pieces`); buckets stay the unit of memory."""
+    """Bytes of one broadcast (`piece_numel`: more where a bucket would take over MAX_PIECES);
+    buckets stay the unit of memory."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "wire_dtype", wire_dtype_name(self.wire_dtype))
@@ -94,16 +99,18 @@ class Manifest:
     def dtype(self) -> torch.dtype:
         return WIRE_DTYPES[self.wire_dtype]
 
-    @property
+    @functools.cached_property
     def piece_numel(self) -> int:
         """Most elements of one broadcast: every bucket travels as consecutive pieces of this many
-        elements (the last one shorter), on the sender and every receiver alike."""
-        return max(1, self.piece_bytes // self.dtype.itemsize)
+        elements (the last one shorter), on the sender and every receiver alike: `piece_bytes`,
+        or more where the largest bucket would otherwise take more than MAX_PIECES."""
+        return max(1, self.piece_bytes // self.dtype.itemsize,
+                   -(-self.largest_bucket_numel // MAX_PIECES))
 
     def bucket_numel(self, b: int) -> int:
         return sum(math.prod(self.shapes[i]) for i in self.buckets[b])
 
-    @property
+    @functools.cached_property
     def largest_bucket_numel(self) -> int:
         """Elements of the largest bucket: what one staging slot or bucket buffer must hold."""
         return max(self.bucket_numel(b) for b in range(len(self.buckets)))
