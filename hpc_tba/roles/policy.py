@@ -235,7 +235,10 @@ def response_logprobs(model, batch: PackedBatch, *, temperature: float,
         return forward
 
     with _head_swapped(model, swap):
-        out = model(**inputs)
+        # use_cache=False: a causal LM's forward otherwise fills a KV cache that keeps every layer's
+        # keys and values to the end of the forward (under sequence parallelism a copy besides
+        # the all-to-all'd ones attention saves: 12 MiB a layer in tools/bench_sp.py)
+        out = model(**inputs, use_cache=False)
     # A forward that transforms the head's output (scaling, capping, a bias) returns other values:
     # our log-probs would then be silently wrong, so any family not caught by name stops here.
     # Values, not identity: ZeRO-3's module hooks re-wrap outputs in autograd functions.
