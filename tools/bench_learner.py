@@ -237,7 +237,8 @@ def child(args: dict) -> dict:
 
     transport = MPITransport()
     base = _rss("VmRSS")
-    with tempfile.TemporaryDirectory() as run_dir:
+    # the learner is not closed: its logger may still write under run_dir while it is removed
+    with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as run_dir:
         build = functools.partial(_ours, transport=transport) if args["mode"] == "ours" else _plain
         step = build(cfg, args["path"], run_dir, batch)
         with open("/proc/self/clear_refs", "w") as f:
