@@ -164,8 +164,8 @@ def test_micro_batched_step_has_the_one_batch_gradient(report, loss):
     assert g["checkpointed"] <= 1e-5 * g["scale"], g  # gradient checkpointing changes nothing
     # ... but it ran: each micro-batch's layer forward was recomputed in the backward pass
     # (a pre-hook: the recompute stops once it has what the backward needs): 6 micro-batches of 2,
-    # plus tb's context pass, each forward once more in the backward
-    assert g["layer_calls"] == (12 if loss == "grpo" else 18), g
+    # each forward once more in the backward, plus tb's context pass (the 5 after the first)
+    assert g["layer_calls"] == (12 if loss == "grpo" else 17), g
     assert g["offload_optimizer"] <= 1e-5 * g["scale"] and g["offload_params"] <= 1e-5 * g["scale"], g
 
 

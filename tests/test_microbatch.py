@@ -175,8 +175,8 @@ def test_agreed_plans_run_the_same_forwards_on_every_rank():
     assert not a.split and not b.split and (len(a.rows), len(b.rows)) == (1, 2)
     tb = make_config(**CASES["tb"])
     agreed = _agree_on_ranks([a, b])
-    forwards = [len(p.rows) * (2 if microbatch.needs_context(tb, p) else 1) for p in agreed]
-    assert forwards[0] == forwards[1] == 4, forwards  # 2 micro-batches, each with the context pass
+    forwards = [len(p.rows) + len(microbatch.context_passes(tb, p)) for p in agreed]
+    assert forwards[0] == forwards[1] == 3, forwards  # 2 micro-batches, the second with a context pass
     same = _agree_on_ranks([b, b])  # equal counts, whole groups: no context pass anywhere
     assert [microbatch.needs_context(tb, p) for p in same] == [False, False]
 

@@ -15,8 +15,9 @@ process (`--child`), so one measurement's allocations never count in another's p
 - plain: plain DeepSpeed doing the same work (like for like): `deepspeed.initialize` on the same
   model with the same ZeRO-3 settings, the same micro-batches (hpc_tba.roles.microbatch.plan) and
   the same passes (`step_passes`): the reference model's no-grad forward when the loss needs it,
-  the no-grad context pass when the loss is group-coupled and the group is split, then forward +
-  backward per micro-batch, each forward's response logits through an fp32 log-softmax; the loss
+  the no-grad context pass when the loss is group-coupled and the group is split (over the
+  micro-batches the learner's runs, `microbatch.context_passes`), then forward + backward per
+  micro-batch, each forward's response logits through an fp32 log-softmax; the loss
   is the mean log-prob (an objective's own arithmetic is [B, T] elementwise work); DeepSpeed's
   own gradient accumulation. Objectives with the same passes share one plain measurement, so
   ours/plain is the learner's own overhead (packing, host syncs, collectives, metrics, the
@@ -147,7 +148,8 @@ def _ours(cfg, path: str, run_dir: str, batch, *, transport):
 def step_passes(cfg, batch) -> dict:
     """The forwards the learner's step runs on `batch` (what the baseline must run too): its
     micro-batch plan (hpc_tba.roles.microbatch), whether the loss needs the reference model's
-    forward, and whether it needs the no-grad context pass (a group-coupled loss, split groups)."""
+    forward, and the micro-batches of its no-grad context pass (indices into the plan's rows;
+    none unless the loss is group-coupled and a group is split)."""
     import numpy as np
 
     from hpc_tba.losses import needs
@@ -156,7 +158,7 @@ def step_passes(cfg, batch) -> dict:
     micro = cfg.learner.micro_batch_size or cfg.searcher.k
     lengths = np.array([len(p) + len(r) for p, r in zip(batch.prompt_tokens, batch.response_tokens)])
     p = microbatch.plan(lengths, batch.group_ids, micro)
-    return {"plan": p, "reference": needs(cfg.algo).reference, "context": microbatch.needs_context(cfg.algo, p)}
+    return {"plan": p, "reference": needs(cfg.algo).reference, "context": microbatch.context_passes(cfg.algo, p)}
 
 
 def _plain(cfg, path: str, run_dir: str, batch):
@@ -200,9 +202,10 @@ def _plain(cfg, path: str, run_dir: str, batch):
                                           zip(batch.prompt_tokens, batch.response_tokens)]).astype(np.int64))
         resp = seqs[:, PROMPT:]  # every sequence is PROMPT + RESPONSE long: no padding
         with torch.no_grad():
-            for model, run in ((ref, passes["reference"]), (engine, passes["context"])):
-                for r in rows if run else ():
-                    logp(model, seqs[r], resp[r])
+            for r in rows if passes["reference"] else ():
+                logp(ref, seqs[r], resp[r])
+            for i in passes["context"]:
+                logp(engine, seqs[rows[i]], resp[rows[i]])
         for r in rows:
             engine.backward(-logp(engine, seqs[r], resp[r]).mean())
             engine.step()
@@ -234,7 +237,8 @@ def child(args: dict) -> dict:
 
     transport = MPITransport()
     base = _rss("VmRSS")
-    with tempfile.TemporaryDirectory() as run_dir:
+    # the learner is not closed: its logger may still write under run_dir while it is removed
+    with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as run_dir:
         build = functools.partial(_ours, transport=transport) if args["mode"] == "ours" else _plain
         step = build(cfg, args["path"], run_dir, batch)
         with open("/proc/self/clear_refs", "w") as f:
@@ -291,12 +295,12 @@ def objectives() -> list[str]:
     return list(BUILTIN)
 
 
-def passes_of(path: str, a, algo: str) -> tuple[bool, bool]:
-    """(reference forward, context pass) of the measured step for `algo`: the plain baseline's
-    work depends on these only, so objectives that agree share one baseline measurement."""
+def passes_of(path: str, a, algo: str) -> tuple[bool, int]:
+    """(reference forward, context-pass micro-batches) of the measured step for `algo`: the plain
+    baseline's work depends on these only, so objectives that agree share one baseline measurement."""
     cfg = run_config(path, k=a.k, micro=a.micro, algo=algo, checkpointing=a.checkpointing)
     p = step_passes(cfg, make_batch(SIZES["10m"][0], a.k))
-    return p["reference"], p["context"]
+    return p["reference"], len(p["context"])
 
 
 def memory_table(a) -> dict:
@@ -319,7 +323,7 @@ def objective_ratios(a, size: str, first: tuple[dict, dict] | None) -> dict[str,
     (on a loaded machine only adjacent measurements compare); `--share-plain` measures one plain
     per set of passes instead (fewer processes, noisier ratios)."""
     path = build_model(size)
-    plains: dict[tuple[bool, bool], dict] = {}
+    plains: dict[tuple[bool, int], dict] = {}
     out = {}
     for i, algo in enumerate(a.algo):
         sig = passes_of(path, a, algo)
@@ -330,7 +334,7 @@ def objective_ratios(a, size: str, first: tuple[dict, dict] | None) -> dict[str,
             if sig not in plains or not a.share_plain:
                 plains[sig] = measure("plain", path, size, a, k=a.k, algo=algo)
         out[algo] = ours["tokens_per_s"] / plains[sig]["tokens_per_s"]
-        print(f"  {size:>5} {algo:>5} (reference {sig[0]}, context pass {sig[1]}): ours "
+        print(f"  {size:>5} {algo:>5} (reference {sig[0]}, context-pass micro-batches {sig[1]}): ours "
               f"{ours['tokens_per_s']:8.1f} tok/s, plain {plains[sig]['tokens_per_s']:8.1f} tok/s", flush=True)
     return out
 

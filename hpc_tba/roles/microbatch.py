@@ -17,8 +17,11 @@ leave-one-out baseline, DPO's pair partner (what the objective declares, `losses
 
 - whole groups per micro-batch: context rows are never in the current row's group, any finite
   value will do (zeros); no extra pass.
-- split groups and a group-coupled loss: one no-grad forward over the step first fills the
-  context with the current log-probs (the cost: one extra forward).
+- split groups and a group-coupled loss: a no-grad forward first fills the context with the
+  current log-probs of every micro-batch but the first (`context_passes`): the first one's
+  backward needs only the others' values, and each micro-batch's forward with grad writes its
+  own detached log-probs into the context for the micro-batches after it, at the same weights
+  (the cost: an extra forward of M − 1 of the M micro-batches; it was all M).
 - split groups, a loss whose group statistics depend on rewards only (GRPO's mean/std, RLOO
   without KL) or none (SFT, TOPR, A-LoL): zeros again, the statistics come from the whole
   step's rewards because the loss sees every row.
@@ -125,6 +128,13 @@ def needs_context(cfg: AlgoConfig, p: MicroPlan) -> bool:
     return p.split and group_coupled(cfg)
 
 
+def context_passes(cfg: AlgoConfig, p: MicroPlan) -> list[int]:
+    """The micro-batches (indices into `p.rows`) the no-grad context pass runs: every one but the
+    first when `needs_context`, else none (module docstring). The same count on every rank of an
+    agreed plan (padding micro-batches included)."""
+    return list(range(1, len(p.rows))) if needs_context(cfg, p) else []
+
+
 def _scatter(base: torch.Tensor, rows: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
     """`base` with `part` ([b, t], t <= T) written into `rows`; differentiable in `part`."""
     pad = torch.nn.functional.pad(part, (0, base.shape[1] - part.shape[1]))
@@ -151,12 +161,12 @@ def accumulate(cfg: AlgoConfig, inputs: LossInputs, p: MicroPlan, *,
     dev = inputs.mask.device
     context = torch.zeros(inputs.mask.shape, dtype=inputs.logp.dtype, device=dev)  # logp's dtype
     idx = [torch.as_tensor(r, device=dev) for r in p.rows]
-    if needs_context(cfg, p):
-        with torch.no_grad():
-            for rows, pad in zip(idx, p.padding):
-                part = logp_fn(rows)
-                if not pad:
-                    context = _scatter(context, rows, part.to(context.dtype))
+    coupled = needs_context(cfg, p)
+    with torch.no_grad():
+        for i in context_passes(cfg, p):
+            part = logp_fn(idx[i])
+            if not p.padding[i]:
+                context = _scatter(context, idx[i], part.to(context.dtype))
     final = context.clone()
     for i, (rows, pad) in enumerate(zip(idx, p.padding)):
         part = logp_fn(rows)
@@ -166,6 +176,8 @@ def accumulate(cfg: AlgoConfig, inputs: LossInputs, p: MicroPlan, *,
             logp = _scatter(context, rows, part.to(context.dtype))
             loss, _ = compute_loss(cfg, dataclasses.replace(inputs, logp=logp), step=step, normalizer=normalizer)
             final = _scatter(final, rows, part.detach().to(final.dtype))
+            if coupled:  # the micro-batches after this one read these rows from the context
+                context = _scatter(context, rows, part.detach().to(context.dtype))
         if not check(loss):
             return None, {}, final
         backward(loss, i == len(idx) - 1)
