@@ -228,14 +228,9 @@ class _StandInWorker:
                 broadcast_async(self.w._hpc_tba_sync.group, part).wait()
 
 
-def _cut(flat: torch.Tensor, sizes: list[int] | None) -> list[torch.Tensor]:
-    """`flat` whole, or as consecutive slices of `sizes` elements."""
-    if sizes is None:
-        return [flat]
-    starts = [0]
-    for n in sizes:
-        starts.append(starts[-1] + n)
-    return [flat[a:b] for a, b in zip(starts, starts[1:])]
+def _cut(flat: torch.Tensor, sizes: list[int] | None) -> tuple[torch.Tensor, ...]:
+    """`flat` whole, or as consecutive views of `sizes` elements."""
+    return (flat,) if sizes is None else flat.split(sizes)
 
 
 def _serve_worker(rank: int, conn, shapes) -> None:

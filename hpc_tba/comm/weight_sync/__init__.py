@@ -49,7 +49,6 @@ from hpc_tba.comm.weight_sync.group import (
     post_header,
     stop_receivers,
     wait_header,
-    wait_host,
 )
 from hpc_tba.comm.weight_sync.manifest import FLAG_EVAL, FLAG_STOP, WIRE_DTYPES, Manifest, wire_dtype_name
 from hpc_tba.comm.weight_sync.receiver import (
@@ -66,4 +65,4 @@ from hpc_tba.comm.weight_sync.sender import WeightSender
 __all__ = ["FLAG_EVAL", "FLAG_STOP", "GROUP_TIMEOUT_S", "STAGING_MODES", "WIRE_DTYPES", "Manifest",
            "StagedWeights", "StreamedWeights", "WeightReceiver", "WeightSender", "WorkerVersion", "broadcast_async",
            "attach_store", "new_group", "post_header", "resolve_staging", "staging_bytes",
-           "stop_receivers", "wait_header", "wait_host", "wire_dtype_name"]
+           "stop_receivers", "wait_header", "wire_dtype_name"]

@@ -99,28 +99,16 @@ def broadcast_async(pg, tensor: torch.Tensor):
     return pg.broadcast([tensor], opts)
 
 
-def broadcast(pg, tensor: torch.Tensor) -> None:
-    """Broadcast from group rank 0 and wait for it on the host."""
-    wait_host(broadcast_async(pg, tensor), tensor)
-
-
 def broadcast_pieces(pg, tensor: torch.Tensor, piece_numel: int) -> None:
     """Broadcast a bucket from group rank 0 the way it travels (`Manifest.piece_numel`):
-    consecutive pieces of at most `piece_numel` elements, all posted at once, waited for on the
-    host."""
+    consecutive pieces of at most `piece_numel` elements, all posted at once, waited for until
+    they have completed, on the host: on gloo `Work.wait()` already is that; with NCCL it only
+    makes the current stream wait, so the stream is synchronized too (the GPU branch, covered by
+    tools/gpu_check.sh)."""
     works = [broadcast_async(pg, tensor[s: s + piece_numel])
              for s in range(0, tensor.numel(), piece_numel)]
     for work in works:
         work.wait()
-    sync_stream(tensor.device)
-
-
-def wait_host(work, tensor: torch.Tensor) -> None:
-    """Wait for a collective on `tensor` until it has completed, on the host.
-
-    On gloo `Work.wait()` already is that; with NCCL it only makes the current stream wait, so the
-    stream is synchronized too (the GPU branch, covered by tools/gpu_check.sh)."""
-    work.wait()
     sync_stream(tensor.device)
 
 
