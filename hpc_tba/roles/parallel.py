@@ -182,7 +182,7 @@ class _SharedOutput:
 
     The core (sdpa, flash) saves its output [B, T, H/SP, D] for its backward, and o_proj saves
     its input, the all-to-all'd copy y [B, T/SP, H, D] of the same values: 6 MiB a layer in
-    tools/bench_sp.py (36 of an SP rank's 0.87 GiB saved). After the all-to-all back, the saved
+    tools/bench_sp.py (36 of the 874 MiB an SP rank saves). After the all-to-all back, the saved
     output is replaced by a recipe: the inverse all-to-all of y (a detached alias of o_proj's
     input), run when the core's backward unpacks it; a pure data movement, so the backward
     computes exactly what it would on the kept tensor. Every SP peer unpacks in the same layer
