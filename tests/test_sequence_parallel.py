@@ -48,6 +48,86 @@ def test_sp2_equals_one_rank(runs, name):
     assert_equals_one_rank(runs[1][name], runs[2][name])
 
 
+# ---------------------------------------------------------------- the attention's one saved copy
+def _attention_worker(rank: int, world: int, port: int) -> None:
+    """Ulysses attention + an o_proj on 2 gloo ranks, with the core's output rebuilt from o_proj's
+    input in the backward (parallel._SharedOutput) and without (the core keeps it): the same output
+    and gradients, bit for bit, fp64 and fp32, with and without non-reentrant checkpointing; both
+    equal to one process's plain autograd through sdpa on the whole sequence; and the core's
+    output is freed at the end of the forward only with the rebuild."""
+    import weakref
+
+    import torch.distributed as dist
+    from conftest import gloo_group
+    from torch.utils.checkpoint import checkpoint
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from hpc_tba.roles import parallel
+
+    freed = []
+
+    def recording_sdpa(*a, **kw):  # sdpa, noting when its output's storage dies
+        out, w = sdpa_attention_forward(*a, **kw)
+        weakref.finalize(out.untyped_storage(), freed.append, 1)
+        return out, w
+
+    AttentionInterface.register("test_recording_sdpa", recording_sdpa)
+    b, h, length, d = 2, 4, 10, 8
+    t = length // world
+    plain = parallel._SharedOutput.applies
+    with gloo_group(rank, world, port):
+        parallel._STATE.update(group=dist.group.WORLD, core="test_recording_sdpa")
+        mine = slice(rank * t, (rank + 1) * t)
+
+        def layer(q, k, v, w):
+            y, _ = parallel.ulysses_attention(torch.nn.Module(), q, k, v, None)
+            return torch.nn.functional.linear(y.reshape(b, t, h * d), w)
+
+        def run(full: tuple, g: torch.Tensor, shared: bool, ckpt: bool):
+            parallel._SharedOutput.applies = plain if shared else staticmethod(lambda *a: None)
+            try:
+                leaves = [x[:, :, mine].clone().requires_grad_() for x in full[:3]] + [full[3].clone().requires_grad_()]
+                freed.clear()
+                z = checkpoint(layer, *leaves, use_reentrant=False) if ckpt else layer(*leaves)
+                dead = bool(freed)
+                (z * g[:, mine]).sum().backward()
+            finally:
+                parallel._SharedOutput.applies = plain
+            return z.detach(), [x.grad for x in leaves], dead
+
+        for dtype in (torch.float64, torch.float32):
+            gen = torch.Generator().manual_seed(3)
+            q, k, v = (torch.randn(b, h, length, d, generator=gen, dtype=dtype) for _ in range(3))
+            w = torch.randn(h * d, h * d, generator=gen, dtype=dtype) / 8
+            g = torch.randn(b, length, h * d, generator=gen, dtype=dtype)
+            ref = [x.clone().requires_grad_() for x in (q, k, v, w)]  # one process, plain autograd
+            o = torch.nn.functional.scaled_dot_product_attention(*ref[:3], is_causal=True)
+            z_ref = torch.nn.functional.linear(o.transpose(1, 2).reshape(b, length, h * d), ref[3])
+            (z_ref * g).sum().backward()
+            tol = {"rtol": 1e-12, "atol": 1e-12} if dtype == torch.float64 else {"rtol": 1e-5, "atol": 1e-5}
+            for ckpt in (False, True):
+                z1, g1, dead1 = run((q, k, v, w), g, True, ckpt)
+                z0, g0, dead0 = run((q, k, v, w), g, False, ckpt)
+                assert torch.equal(z1, z0) and all(torch.equal(x, y) for x, y in zip(g1, g0)), (dtype, ckpt)
+                torch.testing.assert_close(z1, z_ref.detach()[:, mine], **tol)
+                for got, want in zip(g1[:3], ref[:3]):
+                    torch.testing.assert_close(got, want.grad[:, :, mine], **tol)
+                w_grad = g1[3].clone()
+                dist.all_reduce(w_grad)  # o_proj's weight: each rank's positions contribute
+                torch.testing.assert_close(w_grad, ref[3].grad, **tol)
+                if not ckpt:  # the core's output outlives the forward only when it is kept
+                    assert dead1 and not dead0, (dtype, dead1, dead0)
+
+
+def test_attention_keeps_one_copy_of_its_output_and_the_same_gradients():
+    from conftest import spawn_ranks
+
+    from hpc_tba.comm.groups import free_ports
+
+    spawn_ranks(_attention_worker, 2, (2, free_ports(1)[0]), timeout_s=120)
+
+
 # ---------------------------------------------------------------- layout and refusals
 def test_layout_follows_the_data_parallel_rank():
     topo = Topology.build(6, 4, 2, sp_size=2)

@@ -13,7 +13,9 @@ the local positions and all heads go through one all-to-all to all positions and
 model's own core attention (sdpa or flash) runs causally on the whole sequence, and a second
 all-to-all brings the output back to the local positions and all heads. Sequences are
 right-padded (roles.policy.pack), so causal attention without a padding mask is exact on every
-real position (a real position never sees a later, padded one).
+real position (a real position never sees a later, padded one). The core's backward needs its
+output, and o_proj's needs the all-to-all'd copy of it: only the copy is kept (`_SharedOutput`),
+the output is rebuilt from it by the inverse all-to-all when the core's backward runs.
 
 Log-probs and losses: each SP rank computes the chosen-token log-probs of the response tokens
 its positions predict (the chunked head of roles.policy), zeros elsewhere; `gather_logprobs`
@@ -29,8 +31,10 @@ normaliser stays N / L, so the average equals ∇(Σ_rows ℓ / N) exactly.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
+import functools
 
 import torch
 import torch.distributed as dist
@@ -134,11 +138,14 @@ class _AllToAll(torch.autograd.Function):
 
 
 def _seq_to_heads(x: torch.Tensor, group, sp: int) -> torch.Tensor:
-    """[B, H, T/SP, D] (local positions, all heads) -> [B, H/SP, T, D] (all positions, my heads)."""
+    """[B, H, T/SP, D] (local positions, all heads) -> [B, H/SP, T, D] (all positions, my heads),
+    laid out [B, T, H/SP, D] in memory as the model's projections lay out q, k and v: the core
+    then writes its output in that layout too, which is the one it returns (no copy) and the one
+    _heads_to_seq takes, so the output it saves is the tensor _SharedOutput finds."""
     b, h, t, d = x.shape
-    x = x.reshape(b, sp, h // sp, t, d).permute(1, 0, 2, 3, 4)  # [SP (head chunk), B, H/SP, t, D]
-    x = _AllToAll.apply(x, group)  # [SP (sequence chunk), B, H/SP, t, D]
-    return x.permute(1, 2, 0, 3, 4).reshape(b, h // sp, sp * t, d)
+    x = x.transpose(1, 2).reshape(b, t, sp, h // sp, d).permute(2, 0, 1, 3, 4)  # [SP (head chunk), B, t, H/SP, D]
+    x = _AllToAll.apply(x, group)  # [SP (sequence chunk), B, t, H/SP, D]
+    return x.permute(1, 0, 2, 3, 4).reshape(b, sp * t, h // sp, d).transpose(1, 2)
 
 
 def _heads_to_seq(x: torch.Tensor, group, sp: int) -> torch.Tensor:
@@ -161,8 +168,81 @@ def ulysses_attention(module, query, key, value, attention_mask, **kwargs):
     if positions is not None:  # flash attention reads them: the whole sequence's
         kwargs["position_ids"] = torch.arange(q.shape[2], device=q.device).expand(q.shape[0], -1)
     kwargs["is_causal"] = True
-    out, _ = ALL_ATTENTION_FUNCTIONS[core](module, q, k, v, None, **kwargs)
-    return _heads_to_seq(out, group, sp), None
+    shared = _SharedOutput.applies(q, k, v)
+    with shared.hooks() if shared else contextlib.nullcontext():
+        out, _ = ALL_ATTENTION_FUNCTIONS[core](module, q, k, v, None, **kwargs)
+    y = _heads_to_seq(out, group, sp)
+    if shared:
+        shared.share(out, y, group, sp)
+    return y, None
+
+
+class _SharedOutput:
+    """Saved-tensor hooks around the core attention that keep one copy of its output, not two.
+
+    The core (sdpa, flash) saves its output [B, T, H/SP, D] for its backward, and o_proj saves
+    its input, the all-to-all'd copy y [B, T/SP, H, D] of the same values: 6 MiB a layer in
+    tools/bench_sp.py (36 of the 874 MiB an SP rank saves). After the all-to-all back, the saved
+    output is replaced by a recipe: the inverse all-to-all of y (a detached alias of o_proj's
+    input), run when the core's backward unpacks it; a pure data movement, so the backward
+    computes exactly what it would on the kept tensor. Every SP peer unpacks in the same layer
+    of the same backward (as _AllToAll's backward exchanges), so the collective lines up.
+
+    Not used when other saved-tensor hooks are in force (gradient checkpointing's: a nested hook
+    would hide the core's tensors from it), or when nothing needs a gradient (the reference)."""
+
+    def __init__(self) -> None:
+        self.boxes: list[list] = []
+
+    @staticmethod
+    def applies(*inputs: torch.Tensor) -> _SharedOutput | None:
+        if not torch.is_grad_enabled() or not any(x.requires_grad for x in inputs):
+            return None
+        if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:  # checkpointing
+            return None
+        return _SharedOutput()
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, t: torch.Tensor) -> list:
+        box = [t]
+        self.boxes.append(box)
+        return box
+
+    @staticmethod
+    def _unpack(box: list) -> torch.Tensor:
+        return box[0] if isinstance(box[0], torch.Tensor) else box[0]()
+
+    def share(self, out: torch.Tensor, y: torch.Tensor, group, sp: int) -> None:
+        """Replace every saved view of `out` (the core's output, [B, T, H/SP, D], the whole of its
+        storage) by its rebuild from `y` = _heads_to_seq(out); anything else stays saved as is."""
+        boxes, self.boxes = self.boxes, []
+        b, t, h, d = y.shape
+        storage = out.untyped_storage()
+        if (out.shape != (b, sp * t, h // sp, d) or not out.is_contiguous() or out.storage_offset()
+                or storage.nbytes() != out.numel() * out.element_size()):
+            return  # not the layout _heads_to_seq was given: keep the core's tensors
+        alias, version = y.detach(), y._version  # detached: no cycle through y's autograd node
+        for box in boxes:
+            x = box[0]
+            if x.dtype == out.dtype and x.untyped_storage().data_ptr() == storage.data_ptr():
+                box[0] = functools.partial(_rebuild, alias, version, group, sp,
+                                           (x.shape, x.stride(), x.storage_offset()))
+
+
+def _rebuild(y: torch.Tensor, version: int, group, sp: int, view: tuple) -> torch.Tensor:
+    """The core's output (the `view` of it that was saved) from y = _heads_to_seq(output): the
+    inverse exchange, [B, T/SP, H, D] -> [B, T, H/SP, D]."""
+    if y._version != version:
+        raise RuntimeError("Ulysses attention: o_proj's input was modified in place after the forward; "
+                           "the attention output its backward needs cannot be rebuilt from it")
+    b, t, h, d = y.shape
+    x = y.reshape(b, t, sp, h // sp, d).permute(2, 0, 1, 3, 4).contiguous()  # [SP (head chunk), B, t, H/SP, D]
+    got = torch.empty_like(x)
+    dist.all_to_all_single(got, x, group=group)  # [SP (sequence chunk), B, t, H/SP, D]
+    out = got.permute(1, 0, 2, 3, 4).reshape(b, sp * t, h // sp, d)
+    return out.as_strided(*view)
 
 
 def peer_groups(size: int, num_learners: int, lrank: int, *, timeout_s: float, field: str) -> Peers:
