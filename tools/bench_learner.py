@@ -35,7 +35,10 @@ of up to 32 MiB stay in the heap and every micro-batch fragments it further, so 
 grew with the number of micro-batches while the live tensors did not (10m model, K=8: 1.76 GiB
 resident with the default vs 1.14 GiB with the fixed threshold; K=64: 1.19 GiB fixed). The
 fixed threshold costs page faults (tokens/s lower for both sides alike). Timings are ratios
-measured in one run on a shared machine: only the ratios mean something.
+measured in one run on a shared machine: only the ratios mean something. Each measured process
+also reports its timed steps' CPU use (`usage`: CPU-seconds per wall second, near 2 with two
+threads on a quiet 2-core machine, the kernel's share, page faults and preemptions per second):
+a pair whose sides differ there was disturbed, not measured.
 
 Last lines (3 significant digits): ours/plain tokens/s per objective (on --objectives-size,
 default the largest of --sizes) and the lowest of them, measured/planned peak of the largest
