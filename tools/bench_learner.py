@@ -34,7 +34,10 @@ glibc mmap threshold (`--mmap-threshold`, 1 MiB): with glibc's dynamic threshold
 of up to 32 MiB stay in the heap and every micro-batch fragments it further, so resident memory
 grew with the number of micro-batches while the live tensors did not (10m model, K=8: 1.76 GiB
 resident with the default vs 1.14 GiB with the fixed threshold; K=64: 1.19 GiB fixed). The
-fixed threshold costs page faults (tokens/s lower for both sides alike). Timings are ratios
+fixed threshold costs page faults, and not alike: at 50M (TB, 2-core AMD EPYC, 2026-12-04) a
+quarter of each side's CPU went to the kernel, 22-23% for ours against 28% for plain (its
+full-vocabulary log-softmax allocates more), and ours/plain read 1.07-1.12 with it against 0.978
+with glibc's own threshold (`--mmap-threshold 0`, kernel 11% / 14%), which is what runs use. Timings are ratios
 measured in one run on a shared machine: only the ratios mean something. Each measured process
 also reports its timed steps' CPU use (`usage`: CPU-seconds per wall second, near 2 with two
 threads on a quiet 2-core machine, the kernel's share, page faults and preemptions per second):
