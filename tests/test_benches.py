@@ -34,6 +34,8 @@ def test_bench_learner_prints_its_figures():
                "--threads", "1")
     for name in ("learner/plain-deepspeed tokens/s", "peak measured/planned"):
         assert _figure(out, name) > 0
+    # each side's CPU use in its timed step, so that a disturbed pair shows (issue 26)
+    assert out.count("faults/s") == 2 and "CPU " in out, out[-3000:]
 
 
 def test_bench_sp_prints_its_figures():
@@ -59,6 +61,34 @@ def test_bench_inflight_prints_its_figures():
                  "in_flight/bare-vllm tokens/s"):
         assert _figure(out, name) > 0
     assert "| continuous" in out and "| bare-vllm" in out
+    # the figure's three windows side by side, each with its vLLM step (bench_probe)
+    windows = [line for line in out.splitlines() if line.startswith("(windows: ")]
+    assert windows and windows[0].count("median vLLM step") == 3, out[-3000:]
+    assert "tokens per median step-time" in out
+
+
+def test_bench_probe_window_counts_its_steps_and_threads():
+    """A Window summarises only the steps that started inside it, and a busy thread's CPU."""
+    import threading
+    import time
+
+    from bench_probe import Window
+
+    steps = [(time.perf_counter() - 10.0, 1.0)]  # before the window: not counted
+    stop = threading.Event()
+    busy = threading.Thread(target=lambda: [None for _ in iter(stop.is_set, True)], daemon=True)
+    busy.start()
+    w = Window(steps)
+    w.threads = {"busy": busy.native_id}
+    w.start()
+    for ms in (2.0, 4.0, 30.0):
+        steps.append((time.perf_counter(), ms / 1e3))
+    time.sleep(0.3)
+    out = w.stop()
+    stop.set()
+    busy.join()
+    assert out["steps"] == 3 and abs(out["step_ms"] - 4.0) < 1e-9
+    assert out["threads"]["busy"] > 0 and out["cpu_per_wall"] > 0 and out["others_cores"] >= 0
 
 
 def test_bench_searcher_prints_its_ratio():

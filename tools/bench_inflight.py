@@ -59,7 +59,13 @@ tokens/s (and per CPU-second of the process, which a loaded machine disturbs les
 receiver's measured peak staging bytes / one bucket, and for the step loop: the mean batch
 (running requests per step / prompts x S), the share of the wall time the engine was paused in
 weight loads, and the re-prefilled tokens per generated token. Timings are ratios within one run
-on a shared machine, not absolute figures.
+on a shared machine, not absolute figures. The three windows of the figure (bare before, the
+continuous mode, bare after) are printed side by side (tools/bench_probe.py): each one's median
+vLLM step, the cores the machine's other processes took meanwhile, and, in the continuous window,
+the CPU of the learner stand-in's and the weight receiver's threads; then continuous / bare in
+tokens per median step-time (each window rescaled by its own step speed; it still charges the
+loop, its loads and re-prefills). On a VM the same bare work's step moved from 2.4 to 4.6 ms
+within a minute with the guest otherwise idle: windows seconds apart see different machines.
 """
 from __future__ import annotations
 
@@ -77,6 +83,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench_probe import Window, timed_steps  # noqa: E402
 
 MODES = {"between_rounds": ("between_rounds", "rounds"), "in_flight": ("in_flight", "rounds"),
          "continuous": ("in_flight", "continuous")}
@@ -208,6 +215,8 @@ def _engine(mode: str, args, path: str):
                   lambda *a, **k: {**build(*a, **k), "max_num_seqs": args.prompts * args.samples}):
         engine = vllm_engine.VLLMEngine(path, _cfg(mode, args), seed=0)
     engine.response_length = _length_of(args)  # the bench's long responses
+    engine.bench_steps = []  # (start, seconds) of every vLLM step: ours and LLM.generate's (bench_probe)
+    timed_steps(engine.llm.llm_engine, engine.bench_steps)
     return engine
 
 
@@ -263,6 +272,9 @@ def run_mode(mode: str, args, path: str, port: int) -> dict:
         stats0 = dict(vars(engine.step_stats))
         s.timers = Timers()
         learner.start()
+        window = Window(engine.bench_steps)  # the learner stand-in's and the receiver's own CPU
+        window.threads = {"learner": learner.native_id, "receiver": receiver._thread.native_id}
+        window.start()
         t0, c0, first = time.perf_counter(), time.process_time(), transport.tokens
         while not learner.done.is_set():
             s.apply_weights()
@@ -272,6 +284,7 @@ def run_mode(mode: str, args, path: str, port: int) -> dict:
                 s.generate_round()
         gen_s, tokens = time.perf_counter() - t0, transport.tokens - first
         cpu_s = time.process_time() - c0
+        window = window.stop()
         stop_receivers(sender_pg)
         receiver.join(timeout=60)
         times = dict(s.timers.seconds)
@@ -295,7 +308,7 @@ def run_mode(mode: str, args, path: str, port: int) -> dict:
             "apply_frac": st["apply_s"] / gen_s if st["steps"] else times.get("apply", 0.0) / gen_s,
             "reprefill_per_token": st["reprefill_tokens"] / max(tokens, 1), "steps": _step_split(st, gen_s),
             "searcher_s": {k: round(v, 2) for k, v in times.items()}, "wall_s": gen_s,
-            "tokens_per_cpu_s": tokens / max(cpu_s, 1e-9), "bare": bare}
+            "tokens_per_cpu_s": tokens / max(cpu_s, 1e-9), "bare": bare, "window": window}
 
 
 def _step_split(st: dict, wall: float) -> dict | None:
@@ -334,13 +347,15 @@ def _bare(engine, s, picks: list[int], args) -> dict:
     kw = {k: v for k, v in engine.request_kwargs().items() if k != "min_tokens"}  # the loop's settings
     params = [sampling_params(n=args.samples, temperature=s.cfg.temperature, logprobs=0,
                               min_tokens=length(p), max_tokens=length(p), **kw) for p in prompts]
+    window = Window(engine.bench_steps).start()
     t0, c0 = time.perf_counter(), time.process_time()
     outs = engine.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    window = window.stop()
     tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
     return {"tokens_per_s": tokens / wall, "tokens_per_cpu_s": tokens / max(cpu, 1e-9),
             "responses_per_s": sum(len(o.outputs) for o in outs) / wall, "groups": len(picks),
-            "wall_s": wall}
+            "wall_s": wall, "window": window}
 
 
 def run_bare(args, path: str) -> dict:
@@ -480,6 +495,25 @@ def _report(args, rows: dict, bare: dict) -> None:
     print(f"(CPU-seconds per wall second of the process: continuous {util[0]:.2f}, bare before "
           f"{util[1]:.2f}, after {util[2]:.2f}; the tokens/s ratio holds only where all are near 1: "
           "below, other jobs took the CPU from that window)")
+    _windows(cont, same)
+
+
+def _windows(cont: dict, same: list[dict]) -> None:
+    """The three windows of the figure side by side (bench_probe): the same bare work's vLLM step
+    moves with the machine, which a tokens/s ratio of windows seconds apart cannot tell from our
+    loop's cost; tokens per step-time rescales each window by its own median step."""
+    w = cont["window"]
+    rows = [("bare before", same[0]), ("continuous", cont), ("bare after", same[1])]
+    print("(windows: " + "; ".join(
+        f"{name} {r['tokens_per_s']:.0f} tokens/s, median vLLM step {r['window']['step_ms'] or 0:.2f} ms, "
+        f"other processes {r['window']['others_cores']:.2f} cores" for name, r in rows)
+        + f"; in the continuous window the learner stand-in's thread took {w['threads']['learner']:.3f} "
+        f"CPU-s/s, the weight receiver's {w['threads']['receiver']:.3f})")
+    if all(r["window"]["step_ms"] for _, r in rows):
+        per_step = [r["tokens_per_s"] * r["window"]["step_ms"] for _, r in rows]
+        print(f"(continuous / bare tokens per median step-time, which rescales each window by its own "
+              f"machine speed, charges our loop, its loads and re-prefills but not a slower decode step: "
+              f"{per_step[1] / ((per_step[0] + per_step[2]) / 2):.3f})")
 
 
 if __name__ == "__main__":

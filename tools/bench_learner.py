@@ -34,8 +34,14 @@ glibc mmap threshold (`--mmap-threshold`, 1 MiB): with glibc's dynamic threshold
 of up to 32 MiB stay in the heap and every micro-batch fragments it further, so resident memory
 grew with the number of micro-batches while the live tensors did not (10m model, K=8: 1.76 GiB
 resident with the default vs 1.14 GiB with the fixed threshold; K=64: 1.19 GiB fixed). The
-fixed threshold costs page faults (tokens/s lower for both sides alike). Timings are ratios
-measured in one run on a shared machine: only the ratios mean something.
+fixed threshold costs page faults, and not alike: at 50M (TB, 2-core AMD EPYC, 2026-12-04) a
+quarter of each side's CPU went to the kernel, 22-23% for ours against 28% for plain (its
+full-vocabulary log-softmax allocates more), and ours/plain read 1.07-1.12 with it against 0.978
+with glibc's own threshold (`--mmap-threshold 0`, kernel 11% / 14%), which is what runs use. Timings are ratios
+measured in one run on a shared machine: only the ratios mean something. Each measured process
+also reports its timed steps' CPU use (`usage`: CPU-seconds per wall second, near 2 with two
+threads on a quiet 2-core machine, the kernel's share, page faults and preemptions per second):
+a pair whose sides differ there was disturbed, not measured.
 
 Last lines (3 significant digits): ours/plain tokens/s per objective (on --objectives-size,
 default the largest of --sizes) and the lowest of them, measured/planned peak of the largest
@@ -49,6 +55,7 @@ import dataclasses
 import functools
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -243,15 +250,30 @@ def child(args: dict) -> dict:
         step = build(cfg, args["path"], run_dir, batch)
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # reset VmHWM: the load's mapped files are closed by now
-        t0 = time.perf_counter()
+        t0, u0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
         step(batch)  # warm-up: Adam allocates its states
-        dt = time.perf_counter() - t0
+        dt, warm = time.perf_counter() - t0, time.perf_counter() - t0
         if args["steps"]:
-            t0 = time.perf_counter()
+            t0, u0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
             for _ in range(args["steps"]):
                 step(batch)
             dt = (time.perf_counter() - t0) / args["steps"]
-    return {"tokens_per_s": args["k"] * (PROMPT + RESPONSE) / dt, "step_s": dt, "peak": _rss("VmHWM") - base}
+        use = usage(u0, resource.getrusage(resource.RUSAGE_SELF), dt * max(args["steps"], 1))
+    return {"tokens_per_s": args["k"] * (PROMPT + RESPONSE) / dt, "step_s": dt, "warmup_s": warm,
+            "peak": _rss("VmHWM") - base, "threads": torch.get_num_threads(),
+            "os_threads": len(os.listdir("/proc/self/task")), **use}
+
+
+def usage(u0, u1, wall: float) -> dict:
+    """What the timed steps cost the process: CPU-seconds per wall second (user + system; with
+    --threads 2 on a quiet 2-core machine near 2: lower means other jobs took cores, or threads
+    waited), the share of it spent in the kernel, and page faults (minor: fresh pages of
+    mmap-threshold allocations; major: read from disk) and involuntary context switches
+    (preemptions) per timed second."""
+    cpu = (u1.ru_utime - u0.ru_utime) + (u1.ru_stime - u0.ru_stime)
+    return {"cpu_per_wall": cpu / wall, "sys_frac": (u1.ru_stime - u0.ru_stime) / max(cpu, 1e-9),
+            "minflt_per_s": (u1.ru_minflt - u0.ru_minflt) / wall, "majflt": u1.ru_majflt - u0.ru_majflt,
+            "preempt_per_s": (u1.ru_nivcsw - u0.ru_nivcsw) / wall}
 
 
 def measure(mode: str, path: str, size: str, a, *, k: int, algo: str) -> dict:
@@ -288,6 +310,13 @@ def fmt(x: float) -> str:
     return f"{x:.3g}"
 
 
+def cpu_note(m: dict) -> str:
+    """A measured process's CPU use in its timed steps (`usage`), for the tables' lines."""
+    return (f"[{m['step_s']:.1f} s/step, warm-up {m['warmup_s']:.1f} s, CPU {m['cpu_per_wall']:.2f}/s, "
+            f"sys {100 * m['sys_frac']:.0f}%, {m['minflt_per_s'] / 1e3:.0f}k faults/s, "
+            f"{m['preempt_per_s']:.0f} preempt/s, {m['threads']} threads]")
+
+
 def objectives() -> list[str]:
     """Every built-in objective of the loss registry."""
     from hpc_tba.losses.registry import BUILTIN
@@ -313,7 +342,8 @@ def memory_table(a) -> dict:
         rows[size] = (ours, plain, plan)
         print(f"  {size:>5} {algo}: ours {ours['tokens_per_s']:8.1f} tok/s peak {ours['peak'] / 2**30:6.2f} GiB | "
               f"plain {plain['tokens_per_s']:8.1f} tok/s peak {plain['peak'] / 2**30:6.2f} GiB | "
-              f"planned {plan / 2**30:6.2f} GiB", flush=True)
+              f"planned {plan / 2**30:6.2f} GiB\n        ours {cpu_note(ours)}\n       plain {cpu_note(plain)}",
+              flush=True)
     return rows
 
 
@@ -336,6 +366,8 @@ def objective_ratios(a, size: str, first: tuple[dict, dict] | None) -> dict[str,
         out[algo] = ours["tokens_per_s"] / plains[sig]["tokens_per_s"]
         print(f"  {size:>5} {algo:>5} (reference {sig[0]}, context-pass micro-batches {sig[1]}): ours "
               f"{ours['tokens_per_s']:8.1f} tok/s, plain {plains[sig]['tokens_per_s']:8.1f} tok/s", flush=True)
+        if not (i == 0 and first is not None):  # the first pair's CPU use is printed with the memory table
+            print(f"        ours {cpu_note(ours)}\n       plain {cpu_note(plains[sig])}", flush=True)
     return out
 
 
