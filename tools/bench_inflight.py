@@ -83,7 +83,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench_probe import Window, timed_steps  # noqa: E402
+from bench_probe import Window, print_windows, timed_steps  # noqa: E402
 
 MODES = {"between_rounds": ("between_rounds", "rounds"), "in_flight": ("in_flight", "rounds"),
          "continuous": ("in_flight", "continuous")}
@@ -495,25 +495,7 @@ def _report(args, rows: dict, bare: dict) -> None:
     print(f"(CPU-seconds per wall second of the process: continuous {util[0]:.2f}, bare before "
           f"{util[1]:.2f}, after {util[2]:.2f}; the tokens/s ratio holds only where all are near 1: "
           "below, other jobs took the CPU from that window)")
-    _windows(cont, same)
-
-
-def _windows(cont: dict, same: list[dict]) -> None:
-    """The three windows of the figure side by side (bench_probe): the same bare work's vLLM step
-    moves with the machine, which a tokens/s ratio of windows seconds apart cannot tell from our
-    loop's cost; tokens per step-time rescales each window by its own median step."""
-    w = cont["window"]
-    rows = [("bare before", same[0]), ("continuous", cont), ("bare after", same[1])]
-    print("(windows: " + "; ".join(
-        f"{name} {r['tokens_per_s']:.0f} tokens/s, median vLLM step {r['window']['step_ms'] or 0:.2f} ms, "
-        f"other processes {r['window']['others_cores']:.2f} cores" for name, r in rows)
-        + f"; in the continuous window the learner stand-in's thread took {w['threads']['learner']:.3f} "
-        f"CPU-s/s, the weight receiver's {w['threads']['receiver']:.3f})")
-    if all(r["window"]["step_ms"] for _, r in rows):
-        per_step = [r["tokens_per_s"] * r["window"]["step_ms"] for _, r in rows]
-        print(f"(continuous / bare tokens per median step-time, which rescales each window by its own "
-              f"machine speed, charges our loop, its loads and re-prefills but not a slower decode step: "
-              f"{per_step[1] / ((per_step[0] + per_step[2]) / 2):.3f})")
+    print_windows(cont, same)
 
 
 if __name__ == "__main__":

@@ -72,3 +72,22 @@ def timed_steps(llm_engine, record: list) -> None:
         return out
 
     llm_engine.step = timed
+
+
+def print_windows(cont: dict, same: list[dict]) -> None:
+    """Print bench_inflight's three windows side by side: the same bare work's vLLM step moves
+    with the machine, which a tokens/s ratio of windows seconds apart cannot tell from our loop's
+    cost; tokens per step-time rescales each window by its own median step."""
+    w = cont["window"]
+    rows = [("bare before", same[0]), ("continuous", cont), ("bare after", same[1])]
+    print("(windows: " + "; ".join(
+        f"{name} {r['tokens_per_s']:.0f} tokens/s, median vLLM step {r['window']['step_ms'] or 0:.2f} ms, "
+        f"other processes {r['window']['others_cores']:.2f} cores" for name, r in rows)
+        + f"; in the continuous window the learner stand-in's thread took {w['threads']['learner']:.3f} "
+        f"CPU-s/s, the weight receiver's {w['threads']['receiver']:.3f})")
+    if all(r["window"]["step_ms"] for _, r in rows):
+        per_step = [r["tokens_per_s"] * r["window"]["step_ms"] for _, r in rows]
+        print(f"(continuous / bare tokens per median step-time, which rescales each window by its own "
+              f"machine speed, charges our loop, its loads and re-prefills but not a slower decode step: "
+              f"{per_step[1] / ((per_step[0] + per_step[2]) / 2):.3f})")
+
