@@ -158,6 +158,8 @@ def test_workers_receive_the_broadcast_bucket_by_bucket_and_the_searcher_holds_n
             learner.join(timeout=60)
             _assert_loaded(engine, want)
             assert [s["numel"] for s in engine.stats] == [m.numel] * 2
+            if version > 1:  # CPU workers receive into the buffers of the version before
+                assert [s["new_bytes"] for s in engine.stats] == [0, 0], engine.stats
         assert sender.engines.all_registered and len(sender.engines.groups()) == 1
         peaks = [s["peak_bytes"] for s in engine.stats]
         bound = worker_sync_bytes(m, 32 * 32 * 4)  # the planner's row: a "layer" is one tensor here
