@@ -234,22 +234,26 @@ class _VersionReceiver(CountedBuffers):
         return True
 
     def _alloc(self, numel: int) -> torch.Tensor:
-        """A [numel] receive buffer. On CPU it reuses the memory of one freed before: up to
+        """A [numel] receive buffer. On CPU, while fewer than WORKER_LIVE_BUCKETS are alive (the
+        pipeline: one loaded, one received), it reuses the memory of one freed before: up to
         WORKER_LIVE_BUCKETS buffers of the largest bucket are kept (counted as held while pooled,
-        between syncs too). A fresh `torch.empty` of more than 32 MiB (glibc's largest mmap
-        threshold) is a fresh mmap, faulted in and zeroed page by page by the receive: measured
-        with 61 MiB buckets (the configs use 64-512 MiB), sync 3.2 s against 1.3 s for the same
-        broadcasts into preallocated buffers. On GPU the caching allocator already reuses blocks,
-        and honours the loader stream's `record_stream`, which a pool here would bypass: there
-        each bucket is `torch.empty`, as before (tools/gpu_check.sh)."""
+        between syncs too); the ones more that a loader holding its buffers asks for are exact
+        and not kept (vLLM's layer-wise reload: a whole layer then, as before). A fresh
+        `torch.empty` of more than 32 MiB (glibc's largest mmap threshold) is a fresh mmap,
+        faulted in and zeroed page by page by the receive: measured with 61 MiB buckets (the
+        configs use 64-512 MiB), sync 3.2 s against 1.3 s for the same broadcasts into
+        preallocated buffers. On GPU the caching allocator already reuses blocks, and honours the
+        loader stream's `record_stream`, which a pool here would bypass: there each bucket is
+        `torch.empty`, as before (tools/gpu_check.sh)."""
         m = self.manifest
         if self.device.type != "cpu":
             self.version_new_bytes += numel * m.dtype.itemsize
             return self._count(torch.empty(numel, dtype=m.dtype, device=self.device))
         with self._cond:
-            base = self._pool.pop() if self._pool else None
+            pooled = self._live < WORKER_LIVE_BUCKETS
+            base = self._pool.pop() if pooled and self._pool else None
         if base is None:
-            base = torch.empty(m.largest_bucket_numel, dtype=m.dtype)
+            base = torch.empty(m.largest_bucket_numel if pooled else numel, dtype=m.dtype)
             nbytes = base.numel() * base.element_size()
             with self._cond:
                 self.version_new_bytes += nbytes
@@ -260,14 +264,14 @@ class _VersionReceiver(CountedBuffers):
         t = torch.empty(0, dtype=m.dtype).set_(base.untyped_storage(), 0, (numel,))
         with self._cond:
             self._live += 1
-        weakref.finalize(t, self._returned, base)
+        weakref.finalize(t, self._returned, base, pooled)
         return t
 
-    def _returned(self, base: torch.Tensor) -> None:
-        """The last view of a CPU buffer is gone: back to the pool, or dropped if it is full."""
+    def _returned(self, base: torch.Tensor, pooled: bool) -> None:
+        """The last view of a CPU buffer is gone: back to the pool, or dropped."""
         with self._cond:
             self._live -= 1
-            if len(self._pool) < WORKER_LIVE_BUCKETS:
+            if pooled and len(self._pool) < WORKER_LIVE_BUCKETS:
                 self._pool.append(base)
             else:
                 self.live_bytes -= base.numel() * base.element_size()
