@@ -38,13 +38,17 @@ WORKER_LIVE_BUCKETS = 2
 _END = object()
 
 
-def worker_sync_bytes(manifest: Manifest, layer_bytes: int) -> int:
+def worker_sync_bytes(manifest: Manifest, layer_bytes: int, *, host: bool) -> int:
     """The most a worker's receiving thread allocates at once (the planner's `sync_worker` row):
     WORKER_LIVE_BUCKETS buffers of the largest bucket and one more while the loader holds them
     all, or, while vLLM's layer-wise reload keeps a whole layer (`layer_bytes`) of tensors
-    referenced until its last one arrives, that layer and the bucket being received."""
+    referenced until its last one arrives, that layer and the bucket being received. `host`: the
+    worker receives into host memory (CPU), where the first WORKER_LIVE_BUCKETS buffers are
+    pooled at the largest bucket's size (`_VersionReceiver._alloc`): in the layer-wise regime
+    they may be up to that much larger than the layer's own tensors, so it is counted."""
     bucket = manifest.largest_bucket_numel * manifest.dtype.itemsize
-    return max((WORKER_LIVE_BUCKETS + 1) * bucket, layer_bytes + bucket)
+    pooled = WORKER_LIVE_BUCKETS * bucket if host else 0
+    return max((WORKER_LIVE_BUCKETS + 1) * bucket, layer_bytes + bucket + pooled)
 
 
 def is_worker_version(tensors) -> bool:
