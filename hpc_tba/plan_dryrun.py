@@ -157,7 +157,7 @@ def _workers(plan: Plan, cfg: RunConfig, manifest, layer_bytes: int) -> None:
     if not cfg.searcher.engine_process:
         return
     _check(plan, "engine worker sync buffers (each worker)", plan.terms["sync_worker"],
-           worker_sync_bytes(manifest, layer_bytes), "GiB")
+           worker_sync_bytes(manifest, layer_bytes, host=not cfg.cluster.gpus_per_node), "GiB")
 
 
 def dry_run(plan: Plan, cfg: RunConfig, spec: ModelSpec) -> None:

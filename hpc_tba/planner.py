@@ -37,7 +37,8 @@ Weight staging, per searcher (`searcher.staging`, hpc_tba.memory.staging_bytes):
   share, i.e. in 90% of (1 - gpu_memory_utilization) x GPU, or in host memory per node. `auto`
   is stream (comm.weight_sync.resolve_staging: a few buckets, never a version). Out-of-process
   engines: nothing in the searcher's process; each engine worker receives the broadcast itself
-  (engine.worker_sync: max(3 buckets, a layer + a bucket) per worker, on its device).
+  (engine.worker_sync: max(3 buckets, a layer + a bucket) per worker, on its device; in host
+  memory a layer + 3 buckets, two of them pooled).
 
 The ZeRO-3 model-state figure is printed next to DeepSpeed's own estimator
 (`estimate_zero3_model_states_mem_needs*`, which budgets 18 bytes/param and a 1.5x CPU factor).
@@ -213,13 +214,14 @@ def _engine_workers(plan: Plan, cfg: RunConfig, spec: ModelSpec, bucket: int, gp
     each worker receives the learner's broadcast itself, on its own device (GPU beside vLLM's
     share, host memory on CPU), bucket by bucket: two bucket buffers alive (one loaded, one
     received), three while vLLM's loader still holds both, or a whole layer and one bucket while
-    its layer-wise reload waits for a layer's last tensor (worker_sync.worker_sync_bytes; the
-    dry run checks the two agree). A skipped version drains into one of them."""
+    its layer-wise reload waits for a layer's last tensor, plus, in host memory, the two pooled
+    buffers' room over that layer's own tensors (worker_sync.worker_sync_bytes; the dry run
+    checks the two agree). A skipped version drains into one of them."""
     s = cfg.searcher
     if not s.engine_process:
         return 0
     layer = spec.largest_layer_params * DTYPE_BYTES[_wire(cfg)]
-    worker = max(3 * bucket, layer + bucket)
+    worker = max(3 * bucket, layer + bucket + (0 if gpus else 2 * bucket))
     plan.terms["worker_layer"] = layer
     where = "GPU, beside vLLM's share" if gpus else "host memory"
     plan.lines.append(f"  engine workers (engine_process, TP {s.tensor_parallel_size}) receive the "

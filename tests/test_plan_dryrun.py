@@ -45,6 +45,16 @@ def test_dry_run_agrees_on_other_layouts(overrides):
     assert sum(" code " in ln for ln in plan.lines) == len(CHECKS)
 
 
+def test_dry_run_agrees_on_cpu_engine_workers():
+    """Out-of-process engines on CPU: the workers' pooled host buffers (engine.worker_sync), the
+    plan's row against the code's bound."""
+    plan = make_plan(compose(["searcher.engine_process=true"]), DRY)
+    assert plan.fits, plan.problems
+    rows = [ln for ln in plan.lines if "engine worker sync buffers (each worker)" in ln]
+    assert len(rows) == 1 and rows[0].endswith("ok"), rows
+    assert sum(" code " in ln for ln in plan.lines) == len(CHECKS) + 1
+
+
 def test_a_planner_that_drifts_from_the_code_is_refused(monkeypatch):
     import hpc_tba.planner as planner
     real = planner.bucket_sizes

@@ -109,7 +109,11 @@ def test_70b_preset_prints_activation_logit_and_staging_memory(capsys):
     # TP 4 out of process: the workers stream; no whole version anywhere on a searcher node
     assert plan.staging == "stream" and plan.terms["staging_device"] == plan.terms["staging_host"] == 0
     bucket = max(plan.buckets)
-    assert plan.terms["sync_worker"] == max(3 * bucket, plan.terms["worker_layer"] + bucket)
+    assert plan.terms["sync_worker"] == max(3 * bucket, plan.terms["worker_layer"] + bucket)  # GPU: no pool
+    # on CPU the workers' first two buffers are pooled at the largest bucket's size (worker_sync)
+    cpu = make_plan(compose(["searcher.engine_process=true"]), FAST)
+    bucket = max(cpu.buckets)
+    assert cpu.terms["sync_worker"] == max(3 * bucket, cpu.terms["worker_layer"] + 3 * bucket)
 
 
 def test_70b_without_checkpointing_is_refused_naming_the_reason(capsys):

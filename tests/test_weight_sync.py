@@ -1,8 +1,10 @@
-"""Weight sync: manifest bucketing, and a real 3-process gloo run (1 sender + 2 receivers).
+"""Weight sync: manifest bucketing, and real gloo runs of one or two ZeRO-3 learners sending to
+two receivers.
 
-The sender is a ZeRO-3 module (deepspeed.zero.Init on a world of one learner), so `send` goes
-through the real ZeRO-3 shards (direct gather) or GatheredParameters; the sync group is the standalone gloo group of
-`new_group`, and a second small gloo group carries the test's own handshakes.
+The learners hold a ZeRO-3 module (deepspeed.zero.Init on a world of one or two learners), so
+`send` goes through the real ZeRO-3 shards (direct gather) or GatheredParameters; the sync group
+(learner rank 0 + the receivers) is the standalone gloo group of `new_group`, and a second small
+gloo group (every process) carries the test's own handshakes.
 """
 import json
 import os
@@ -16,6 +18,12 @@ from hpc_tba.comm.weight_sync import FLAG_EVAL, Manifest, wire_dtype_name
 
 SHAPES = [("embed.weight", (64, 16)), ("layers.0.attn.weight", (16, 16)), ("layers.0.norm", (16,)),
           ("layers.1.attn.weight", (16, 16)), ("layers.1.norm", (16,)), ("head.weight", (64, 16))]
+ODD_SHAPES = [("embed.weight", (63, 16)), ("layers.0.attn.weight", (13, 23)), ("layers.0.norm", (15,)),
+              ("layers.1.attn.weight", (13, 13)), ("layers.1.norm", (15,)), ("head.weight", (63, 16))]
+"""Odd sizes: over two learners the four middle parameters' ZeRO-3 partitions end in zero
+padding, which the direct gather's all-gather writes past the parameter's end. They share one
+2048 B bucket, and 13 x 23 = 299 fp32 values end one element before the second 600 B piece's
+end: that piece may go only once the next parameter has overwritten the padding."""
 
 
 def test_manifest_buckets_and_json_round_trip():
@@ -52,118 +60,165 @@ def test_manifest_rejects_bad_input():
 
 
 class _Model(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, shapes):
         super().__init__()
-        for name, shape in SHAPES:
+        for name, shape in shapes:
             self.register_parameter(name.replace(".", "_"), torch.nn.Parameter(torch.zeros(shape)))
 
 
-def _named_shapes():
-    return [(n.replace(".", "_"), s) for n, s in SHAPES]
+def _named_shapes(shapes):
+    return [(n.replace(".", "_"), s) for n, s in shapes]
 
 
-def _weights(version: int) -> list[torch.Tensor]:
+def _weights(version: int, shapes) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(version)
-    return [torch.randn(s, generator=g) for _, s in SHAPES]
+    return [torch.randn(s, generator=g) for _, s in shapes]
 
 
 def _barrier(pg) -> None:
     pg.allreduce([torch.zeros(1)]).wait()
 
 
-def _sender(model, manifest, sync, ctl, out, *, direct):
+def _sender(model, manifest, sync, ctl, shapes, *, direct):
+    """One learner rank (`sync` is None on every rank but 0); returns the bytes each send broadcast."""
     import deepspeed
 
     from hpc_tba.comm.weight_sync import WeightSender
 
     sender = WeightSender(model, manifest, sync, direct_gather=direct)
     assert sender.direct == direct
+    posted = _record_pieces(sender) if sync is not None else None
 
     def set_weights(v):
         params = list(model.parameters())
         with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
-            for p, w in zip(params, _weights(v)):
+            for p, w in zip(params, _weights(v, shapes)):
                 p.data.copy_(w)
 
+    sent = []
     for v in (1, 2, 3):  # one at a time: the receivers check each version
         set_weights(v)
-        out.setdefault("sent", []).append(sender.send(v, flags=FLAG_EVAL if v == 2 else 0))
+        sent.append(sender.send(v, flags=FLAG_EVAL if v == 2 else 0))
+        if posted is not None:  # each piece held its final bytes when it was posted (gloo reads
+            # it later, on its own thread: a piece posted early may still arrive intact)
+            want = torch.cat([w.flatten() for w in _weights(v, shapes)]).to(manifest.dtype)
+            assert torch.equal(torch.cat(posted), want), f"a piece of version {v} went too early"
+            posted.clear()
         _barrier(ctl)
     for v in (4, 5, 6):  # back to back: take() must return only the newest
         set_weights(v)
         sender.send(v, flags=FLAG_EVAL if v == 5 else 0)
     _barrier(ctl)
     sender.stop()
-    assert out["sent"] == [manifest.total_bytes] * 3
+    return sent
 
 
-def _check(staged, version, dtype):
+def _record_pieces(sender) -> list[torch.Tensor]:
+    """A copy of every piece rank 0 broadcasts, taken when it is posted."""
+    from hpc_tba.comm.weight_sync import sender as sender_mod
+
+    posted, post = [], sender_mod.broadcast_async
+
+    def recorded(pg, part):
+        posted.append(part.clone())
+        return post(pg, part)
+
+    sender_mod.broadcast_async = recorded  # this spawned process's module: gone with it
+    return posted
+
+
+def _check(staged, version, dtype, shapes):
     assert staged is not None and staged.version == version
-    want = _weights(version)
-    assert [n for n, _ in staged.tensors] == [n for n, _ in _named_shapes()]
+    want = _weights(version, shapes)
+    assert [n for n, _ in staged.tensors] == [n for n, _ in _named_shapes(shapes)]
     for (name, got), w in zip(staged.tensors, want):
         assert got.dtype == dtype and got.shape == w.shape, name
         assert torch.equal(got, w.to(dtype)), f"{name} differs in version {version}"
 
 
-def _receiver(manifest, sync, ctl):
+def _receiver(manifest, sync, ctl, shapes):
     from hpc_tba.comm.weight_sync import WeightReceiver
 
     rx = WeightReceiver(manifest, sync)
     for v in (1, 2, 3):
         assert rx.wait_for(v, timeout=30), f"version {v} never arrived"
         staged, evals = rx.take()
-        _check(staged, v, manifest.dtype)
+        _check(staged, v, manifest.dtype, shapes)
         assert evals == ([2] if v == 2 else [])
         _barrier(ctl)
     _barrier(ctl)
     assert rx.wait_for(6, timeout=30)
     staged, evals = rx.take()
-    _check(staged, 6, manifest.dtype)
+    _check(staged, 6, manifest.dtype, shapes)
     assert evals == [5] and rx.received_versions == [1, 2, 3, 4, 5, 6]
     assert rx.take() == (None, [])
     rx.join(timeout=30)
     assert not rx._thread.is_alive() and rx.stopped and rx.error is None
 
 
-def _worker(rank: int, ports: list[int], result_dir: str) -> None:
+def _learner_model(rank: int, learners: int, port: int, shapes):
+    """A ZeRO-3 module partitioned over `learners` gloo ranks (the learners' default group)."""
+    import deepspeed
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(learners))
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False,
+                               init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=learners)
+    ds = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
+    with deepspeed.zero.Init(config_dict_or_path=ds):
+        model = _Model(shapes)
+    params = list(model.parameters())
+    assert all(hasattr(p, "ds_id") for p in params)
+    padded = [p for p in params if p.ds_tensor.numel() * learners > p.ds_numel]
+    assert len(padded) == (4 if shapes is ODD_SHAPES else 0)  # ODD_SHAPES over two learners
+    return model
+
+
+def _worker(rank: int, learners: int, cases: list, ports: list[int], result_dir: str) -> None:
+    """Processes 0..learners-1 are the learners (rank 0 alone is on the sync group), the last two
+    the receivers."""
     os.environ.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     from hpc_tba.comm.weight_sync import new_group
 
     torch.set_num_threads(1)
-    model = None
-    if rank == 0:  # the learner: a default group of one, so ZeRO-3 (and its gathers) work
-        import deepspeed
-
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
-        deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False,
-                                   init_method=f"tcp://127.0.0.1:{ports[0]}", rank=0, world_size=1)
-        ds = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
-        with deepspeed.zero.Init(config_dict_or_path=ds):
-            model = _Model()
-        assert all(hasattr(p, "ds_id") for p in model.parameters())
-    sync = new_group(host="127.0.0.1", port=ports[1], rank=rank, size=3, backend="gloo",
-                     timeout_s=60)
-    ctl = new_group(host="127.0.0.1", port=ports[2], rank=rank, size=3, backend="gloo",
+    shapes = SHAPES if learners == 1 else ODD_SHAPES
+    model = _learner_model(rank, learners, ports[0], shapes) if rank < learners else None
+    sync = None
+    if rank == 0 or rank >= learners:
+        sync = new_group(host="127.0.0.1", port=ports[1], rank=max(0, rank - learners + 1), size=3,
+                         backend="gloo", timeout_s=60)
+    ctl = new_group(host="127.0.0.1", port=ports[2], rank=rank, size=learners + 2, backend="gloo",
                     timeout_s=60)
-    # direct: all-gather from the ZeRO-3 shards into the staging slot; else GatheredParameters.
-    # piece: bytes of one broadcast (a bucket travels as pieces cut across parameters: 600 B)
-    for dtype, direct, piece in [(torch.float32, True, 1 << 20), (torch.bfloat16, True, 1 << 20),
-                                 (torch.float32, False, 1 << 20), (torch.bfloat16, False, 1 << 20),
-                                 (torch.float32, True, 600), (torch.bfloat16, False, 600)]:
-        manifest = Manifest.build(_named_shapes(), bucket_bytes=2048, wire_dtype=dtype,
+    for dtype, direct, piece in cases:
+        manifest = Manifest.build(_named_shapes(shapes), bucket_bytes=2048, wire_dtype=dtype,
                                   piece_bytes=piece)
-        if rank == 0:
-            _sender(model, manifest, sync, ctl, {}, direct=direct)
+        if rank < learners:
+            sent = _sender(model, manifest, sync, ctl, shapes, direct=direct)
+            assert sent == [manifest.total_bytes if rank == 0 else 0] * 3
         else:
-            _receiver(manifest, sync, ctl)
+            _receiver(manifest, sync, ctl, shapes)
         _barrier(ctl)
     open(os.path.join(result_dir, f"ok{rank}"), "w").close()
 
 
 def test_three_process_gloo_sync(tmp_path):
-    spawn_ranks(_worker, 3, (free_ports(3), str(tmp_path)), timeout_s=90)
+    # direct: all-gather from the ZeRO-3 shards into the staging slot; else GatheredParameters.
+    # piece: bytes of one broadcast (a bucket travels as pieces cut across parameters: 600 B)
+    cases = [(torch.float32, True, 1 << 20), (torch.bfloat16, True, 1 << 20),
+             (torch.float32, False, 1 << 20), (torch.bfloat16, False, 1 << 20),
+             (torch.float32, True, 600), (torch.bfloat16, False, 600)]
+    spawn_ranks(_worker, 3, (1, cases, free_ports(3), str(tmp_path)), timeout_s=90)
     assert sorted(os.listdir(tmp_path)) == ["ok0", "ok1", "ok2"]
+
+
+def test_two_zero3_learners_send_pieces_that_end_before_the_padding(tmp_path):
+    """Two learners: the direct gather's all-gather writes each odd-sized parameter's zero padding
+    past its end (into the next parameter's place, overwritten by that one's gather); rank 0 must
+    post only the 600 B pieces that lie below the gathered end. Both gather paths, fp32 (the
+    all-gather lands in the slot: the padding spills) and bf16 (gathered into scratch, cast)."""
+    cases = [(dtype, direct, 600) for direct in (True, False)
+             for dtype in (torch.float32, torch.bfloat16)]
+    spawn_ranks(_worker, 4, (2, cases, free_ports(3), str(tmp_path)), timeout_s=120)
+    assert sorted(os.listdir(tmp_path)) == ["ok0", "ok1", "ok2", "ok3"]
 
 
 def test_a_member_that_reads_headers_late_still_reads_every_one():

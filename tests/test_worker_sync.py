@@ -158,9 +158,11 @@ def test_workers_receive_the_broadcast_bucket_by_bucket_and_the_searcher_holds_n
             learner.join(timeout=60)
             _assert_loaded(engine, want)
             assert [s["numel"] for s in engine.stats] == [m.numel] * 2
+            if version > 1:  # CPU workers receive into the buffers of the version before
+                assert [s["new_bytes"] for s in engine.stats] == [0, 0], engine.stats
         assert sender.engines.all_registered and len(sender.engines.groups()) == 1
         peaks = [s["peak_bytes"] for s in engine.stats]
-        bound = worker_sync_bytes(m, 32 * 32 * 4)  # the planner's row: a "layer" is one tensor here
+        bound = worker_sync_bytes(m, 32 * 32 * 4, host=True)  # the planner's row: a "layer" is one tensor
         print(f"\n40 buckets of {BUCKET} B, TP=2 stand-in workers: worker peaks {peaks} B "
               f"({[p / BUCKET for p in peaks]} buckets; bound {bound / BUCKET:.0f}), searcher "
               f"process staging peak {rx.peak_staging_bytes} B, ru_maxrss growth "
@@ -235,10 +237,10 @@ def test_a_searcher_slowed_while_loading_paces_only_the_version_it_loads():
         _teardown(sender, rx, engine)
 
 
-def learner_sync(engine, named, version: int, score):
+def learner_sync(engine, named, version: int, score, *, host: bool = True):
     """`WeightSender` -> a real out-of-process engine's workers (a bucket per tensor), the way a
     run syncs it (tests/test_engine_process.py); returns `score(engine)`, the workers' measured
-    peaks and the planner's bound."""
+    peaks and the planner's bound (`host`: the workers receive into host memory)."""
 
     m = Manifest.build([(n, tuple(t.shape)) for n, t in named], bucket_bytes=1)
     tx, rx_pg = sync_group_pair(timeout_s=300)
@@ -255,7 +257,7 @@ def learner_sync(engine, named, version: int, score):
         sender.stop()
         rx.join(timeout=30)
     assert rx.error is None and engine.version == version
-    bound = worker_sync_bytes(m, largest_layer(named))
+    bound = worker_sync_bytes(m, largest_layer(named), host=host)
     return score(engine), [s["peak_bytes"] for s in engine.last_worker_stats], bound
 
 
@@ -326,7 +328,7 @@ def test_tensor_parallel_engine_on_gpus_takes_the_broadcast_in_its_workers():
     try:
         assert not engine.in_process
         before = score(engine)
-        got, peaks, bound = learner_sync(engine, named, 1, score)
+        got, peaks, bound = learner_sync(engine, named, 1, score, host=False)
         print(f"\nTP=2 on GPUs, {len(named)} buckets from the learner: worker peaks {peaks} B "
               f"(bound {bound}); max |logp - transformers| {float((got - want).abs().max()):.2e}")
         assert len(peaks) == 2 and all(p <= bound for p in peaks), peaks

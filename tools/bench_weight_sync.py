@@ -16,15 +16,19 @@ bucket size it times, on that same group:
 
 Both are bracketed by the same barrier on a separate control group; the ratio is raw_s / sync_s
 (goal >= 0.8). Medians of `--repeats` after two warm-up syncs (they allocate the staging buffers).
-Then, for out-of-process engines (`--engine-buckets`, default 48 buckets; `--engine-params`):
+Then, for out-of-process engines (`--engine-buckets`, default 48 buckets; `--engine-params`, one
+set of lines per size given: 16e6 by default, 1.3 MiB fp32 buckets, far below the configured 64 /
+256 / 512 MiB, where each bucket's messages cost most; 64e6 and 128e6 give 5-15 MiB buckets):
 the learner's `WeightSender` -> two engine worker processes (tensor parallel 2, the real worker
 extension with a stand-in loader that copies each tensor into its parameter: vLLM's own loader
 is not timed) that receive every bucket themselves on their engine group, while the searcher's
 `WeightReceiver` (serve_engine) only decides and asks them to load; it prints
 
-    engine-process sync peak/bucket = X   (most bucket-sized buffers alive in any one process)
-    engine-process sync / raw broadcast = Y   (raw s / engine-process sync s; raw: one flat
-        broadcast of the same bytes on the same engine group, learner -> both workers)
+    engine-process sync peak/bucket = X (N buckets of <= S MiB)   (most bucket-sized buffers alive
+        in any one process)
+    engine-process sync / raw broadcast = Y (N buckets of <= S MiB)   (raw s / engine-process
+        sync s; raw: one flat broadcast of the same bytes on the same engine group, learner ->
+        both workers)
 
 and, for context, the same bytes as one broadcast per bucket on that group, back to back into
 preallocated buffers with no loader: what a bucketed protocol costs on the group by itself.
@@ -362,14 +366,15 @@ def _engine_worker(rank: int, args, ports: list[int], shapes, bucket: int, out) 
         engine.close()
 
 
-def engine_process_rows(args) -> None:
-    """The out-of-process lines (module docstring): TP=2 stand-in workers in the broadcast."""
+def engine_process_rows(args, params: float) -> None:
+    """The out-of-process lines (module docstring) for a model of `params` parameters cut into
+    about `--engine-buckets` buckets: TP=2 stand-in workers in the broadcast."""
     import torch.multiprocessing as mp
     from transformers import LlamaConfig
 
     # narrow and deep (many tensors of similar size): buckets of one size, 32+ of them
     hidden, inter, vocab = 256, 1024, 4096
-    layers = max(1, round((args.engine_params - 2 * vocab * hidden) / (4 * hidden * hidden + 3 * hidden * inter)))
+    layers = max(1, round((params - 2 * vocab * hidden) / (4 * hidden * hidden + 3 * hidden * inter)))
     shapes = named_shapes(LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
                                       num_attention_heads=8, num_key_value_heads=8, vocab_size=vocab,
                                       tie_word_embeddings=False))
@@ -389,8 +394,9 @@ def engine_process_rows(args) -> None:
           f"(learner send -> both workers loaded), raw broadcast on the engine group {raw_s:.3f} s, "
           f"learner -> searcher process {raw_sync_s:.3f} s (medians of {args.repeats}); searcher "
           f"process staging peak {got['peak'][1]} B")
-    print(f"engine-process sync peak/bucket = {got['peak'][0]:.2f}")
-    print(f"engine-process sync / raw broadcast = {raw_s / sync_s:.2f}")
+    size = f"({nb} buckets of <= {bucket / 2**20:.1f} MiB)"  # the per-message cost depends on it
+    print(f"engine-process sync peak/bucket = {got['peak'][0]:.2f} {size}")
+    print(f"engine-process sync / raw broadcast = {raw_s / sync_s:.2f} {size}")
     print(f"(context: the same bytes as {nb} back-to-back bucket broadcasts on the engine group, "
           f"preallocated, no loader: {raw_cut_s:.3f} s, raw / that = {raw_s / raw_cut_s:.2f}: "
           f"what bucket-by-bucket costs on this group by itself)")
@@ -422,8 +428,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=3, help="timed syncs per bucket size (median)")
     p.add_argument("--wire-dtype", default="fp32", help="fp32 or bf16")
     p.add_argument("--backend", default="gloo", help="gloo (CPU) or nccl")
-    p.add_argument("--engine-params", type=float, default=16e6,
-                   help="model size of the out-of-process rows (0: skip them)")
+    p.add_argument("--engine-params", type=float, nargs="+", default=[16e6],
+                   help="model sizes of the out-of-process rows, one set of lines each (0: skip "
+                        "them); with --engine-buckets they set the bucket size the lines print")
     p.add_argument("--engine-buckets", type=int, default=48, help="buckets of the out-of-process rows")
     p.add_argument("--skip-in-process", action="store_true", help="only the out-of-process rows")
     args = p.parse_args(argv)
@@ -453,8 +460,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"(ratio = raw s / sync s; gather+pack = learner 0's time in ZeRO-3 gathers and packing, "
           f"wait = its time blocked on broadcasts; bit-exact = every receiver's last version equals "
           f"the learners' GatheredParameters view; {time.time() - t0:.0f} s in all)")
-    if args.engine_params:
-        engine_process_rows(args)
+    for params in args.engine_params:
+        if params:
+            engine_process_rows(args, params)
     print(analytic_70b())
 
 
