@@ -367,7 +367,9 @@ def _reached_step(slurm, job: str, run_dir: Path, log: Path, step: int) -> bool:
 def test_usr1_mid_run_requeues_and_resumes_the_real_run(slurm, tmp_path):
     """`sbatch slurm/tiny_cpu.sh resume=auto`, USR1 mid-run (what --signal=USR1@grace sends):
     every role checkpoints, the job requeues itself, and the same job id resumes from that step."""
-    total = 12
+    # the signal must land before the run ends: a tiny_cpu step takes ~0.3 s on 2 cores, and a run
+    # of 12 once finished its last 9 steps before USR1 reached it (fresh clone, 2026-12-04)
+    total = 40
     for attempt in range(3):
         run_dir = tmp_path / f"run{attempt}"
         job = slurm.sbatch([str(REPO / "slurm" / "tiny_cpu.sh"), f"learner.total_steps={total}",
@@ -384,7 +386,7 @@ def test_usr1_mid_run_requeues_and_resumes_the_real_run(slurm, tmp_path):
         break
     else:
         pytest.fail("MPI_Init failed under srun --mpi=pmi2 in 3 submissions:\n" + log.read_text()[-3000:])
-    assert slurm.job_info(job)["Restarts"] == "1"
+    assert slurm.job_info(job)["Restarts"] == "1", "the run was not requeued (did it end before USR1?)"
     rows = _learner_rows(run_dir)
     resumed = [int(r["checkpoint/resumed_step"]) for r in rows if "checkpoint/resumed_step" in r]
     assert len(resumed) == 1 and 3 <= resumed[0] < total, resumed
