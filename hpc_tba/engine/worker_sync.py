@@ -138,11 +138,15 @@ class CountedBuffers:
         nbytes = t.numel() * t.element_size()
         with self._cond:
             self._live += 1
-            self.live_bytes += nbytes
-            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-            self._counted()
+            self._hold(nbytes)
         weakref.finalize(t, self._freed, nbytes)
         return t
+
+    def _hold(self, nbytes: int) -> None:
+        """Under `_cond`: `nbytes` more are held (a new buffer's memory)."""
+        self.live_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        self._counted()
 
     def _counted(self) -> None:
         """Called under `_cond` after each new buffer is counted (a subclass's own peaks)."""
@@ -261,9 +265,7 @@ class _VersionReceiver(CountedBuffers):
             nbytes = base.numel() * base.element_size()
             with self._cond:
                 self.version_new_bytes += nbytes
-                self.live_bytes += nbytes
-                self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-                self._counted()
+                self._hold(nbytes)
         # a tensor of its own on the pooled storage: the loader's views keep it (not `base`) alive
         t = torch.empty(0, dtype=m.dtype).set_(base.untyped_storage(), 0, (numel,))
         with self._cond:
