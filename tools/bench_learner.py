@@ -252,7 +252,7 @@ def child(args: dict) -> dict:
             f.write("5")  # reset VmHWM: the load's mapped files are closed by now
         t0, u0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
         step(batch)  # warm-up: Adam allocates its states
-        dt, warm = time.perf_counter() - t0, time.perf_counter() - t0
+        dt = warm = time.perf_counter() - t0
         if args["steps"]:
             t0, u0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
             for _ in range(args["steps"]):
