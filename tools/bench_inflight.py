@@ -2,7 +2,7 @@
 between-rounds updates (how long the learner waits for samples), and against bare vLLM on the
 same work (tokens/s), with long responses of varied length.
 
-    python tools/bench_inflight.py [--seconds 40] [--pairs 6] [--pair-seconds 5] [--demand 0.7]
+    python tools/bench_inflight.py [--seconds 40] [--pairs 10] [--pair-seconds 5] [--demand 0.7]
 
 One process per mode (threads an earlier mode's engine, receiver or gloo group leaves behind
 would take CPU from the next), each with one compute thread (OMP_NUM_THREADS=1 unless set, as
@@ -442,7 +442,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="response lengths: varied per prompt in [max/4, max], or all max")
     p.add_argument("--bare-turnovers", type=int, default=16,
                    help="bare vLLM generates this many x --prompts groups")
-    p.add_argument("--pairs", type=int, default=6, help="continuous windows interleaved with bare ones")
+    p.add_argument("--pairs", type=int, default=10, help="continuous windows interleaved with bare ones")
     p.add_argument("--pair-seconds", type=float, default=5.0, help="learner wall time per interleaved window")
     p.add_argument("--modes", default="between_rounds,continuous",
                    help="comma-separated: between_rounds, in_flight (rounds), continuous")
