@@ -54,13 +54,20 @@ def test_bench_weight_sync_prints_its_figures():
 
 
 def test_bench_inflight_prints_its_figures():
-    """Every mode runs (continuous, between rounds, bare vLLM) and the three figures print."""
+    """Every mode runs (continuous, between rounds, bare vLLM) and the three figures print; the
+    headline is the median of the interleaved pairs' ratios, each printed."""
+    import numpy as np
+
     out = _run("bench_inflight.py", "--seconds", "3", "--max-new-tokens", "16", "--per-step", "4",
-               "--train-s", "0.1")
+               "--train-s", "0.1", "--pairs", "3", "--pair-seconds", "0.5")
     for name in ("sync staging peak/bucket", "in_flight/between_rounds learner wait",
                  "in_flight/bare-vllm tokens/s"):
         assert _figure(out, name) > 0
     assert "| continuous" in out and "| bare-vllm" in out
+    pairs = [line for line in out.splitlines() if line.startswith("pair ")]
+    ratios = [float(line.rsplit(" = ", 1)[1]) for line in pairs]
+    assert len(pairs) == 3 and all(" updates, " in line for line in pairs), out[-3000:]
+    assert abs(_figure(out, "in_flight/bare-vllm tokens/s") - float(np.median(ratios))) < 1.5e-3
     # the figure's three windows side by side, each with its vLLM step (bench_probe)
     windows = [line for line in out.splitlines() if line.startswith("(windows: ")]
     assert windows and windows[0].count("median vLLM step") == 3, out[-3000:]
@@ -89,6 +96,18 @@ def test_bench_probe_window_counts_its_steps_and_threads():
     busy.join()
     assert out["steps"] == 3 and abs(out["step_ms"] - 4.0) < 1e-9
     assert out["threads"]["busy"] > 0 and out["cpu_per_wall"] > 0 and out["others_cores"] >= 0
+
+
+def test_bench_probe_pair_ratios_cancel_a_linear_drift():
+    """A mode window at 0.9 of bare on a machine whose speed drifts linearly reads 0.9 in every
+    pair (bare windows on both sides); the counts of windows must match."""
+    from bench_probe import pair_ratios
+
+    speed = [1.0 + 0.1 * t for t in range(9)]  # windows in order: bare, mode, bare, ..., bare
+    bares, modes = [1000 * v for v in speed[0::2]], [900 * v for v in speed[1::2]]
+    assert all(abs(r - 0.9) < 1e-12 for r in pair_ratios(modes, bares))
+    with pytest.raises(ValueError):
+        pair_ratios(modes, bares[:-1])
 
 
 def test_bench_searcher_prints_its_ratio():

@@ -2,7 +2,7 @@
 between-rounds updates (how long the learner waits for samples), and against bare vLLM on the
 same work (tokens/s), with long responses of varied length.
 
-    python tools/bench_inflight.py [--seconds 40] [--max-new-tokens 128] [--demand 0.7]
+    python tools/bench_inflight.py [--seconds 40] [--pairs 10] [--pair-seconds 5] [--demand 0.7]
 
 One process per mode (threads an earlier mode's engine, receiver or gloo group leaves behind
 would take CPU from the next), each with one compute thread (OMP_NUM_THREADS=1 unless set, as
@@ -12,60 +12,54 @@ needs `per_step` new responses per step (it waits for them, then takes every res
 arrived, so no backlog builds up), "trains" for `--train-s` seconds, then broadcasts a new weight
 version (the checkpoint plus seeded noise) bucket by bucket with the sync protocol, and counts the
 time that broadcast blocks (with stream staging a bucket completes only once the engine, between
-two decode steps, loads it). Modes:
+two decode steps, loads it). Modes, each run for `--seconds` of the learner (the long window):
 
-- bare-vllm: vLLM alone on the work the continuous searcher does, like for like, measured on
-  the continuous mode's own engine (the same `VLLMEngine`, in the same process: the same
-  `engine_kwargs`, dtype, seed, KV cache bytes, prefix caching, async scheduling off) just
-  before the learner starts and again just after the mode has drained (the mean of the two
-  cancels a machine load that drifts during the mode): the `--bare-turnovers` x prompts groups
-  the searcher's cursor hands out next (the prompts the continuous loop then admits first, in
-  that order), the same S and the same response length per prompt, at the same concurrency
-  (every engine of the bench, in every mode, is built with `max_num_seqs` = prompts x S, the one
-  setting the bench adds to engine_kwargs; the searcher's loops never run more). All groups go
-  to vLLM's own `LLM.generate` at once (n=S), whose scheduler admits a waiting request the moment
-  a sequence finishes: vLLM's continuous batching, continuously fed, with no learner, no weight
-  updates, no scoring or sending. tokens/s = tokens generated / wall time of the call. The same
-  measurement in a process of its own runs first (after a warm-up call) to set the learner's
-  demand; it is printed too, but a short run in another process, minutes earlier, is what made
-  the old figure untrustworthy (1.37 and 1.66 with bare vLLM slower than our loop).
 - between_rounds: `searcher.update=between_rounds`, `generation=rounds`: a round of `--prompts`
   prompts is admitted, drained and sent; weights are applied only between rounds.
 - continuous: `searcher.update=in_flight`, `generation=continuous`: `--prompts` groups kept
   running, each sent when it finishes, weights applied between decode steps (running samples
   re-prefilled under the new weights), tokens carry versions. tokens/s = tokens sent from the
-  learner's start to the drained end / that wall time. `--modes` can add `in_flight`
-  (in-flight updates, still in rounds).
+  learner's start to the drained end / that wall time. `--modes` can add `in_flight`.
+- bare-vllm: vLLM's own `LLM.generate` on the groups the searcher's cursor hands out next (the
+  prompts the continuous loop admits, in that order; S samples each as n=S, the same response
+  length per prompt, the per-request settings of the loop's requests), all at once: its scheduler
+  admits a waiting request the moment a sequence finishes, with no learner, no weight updates, no
+  scoring or sending. tokens/s = tokens generated / wall time of the call. Every engine of the
+  bench is built with `max_num_seqs` = prompts x S (the one setting the bench adds to
+  engine_kwargs; the searcher's loops never run more). Run first in a process of its own, after a
+  warm-up call, it sets the learner's demand; on the continuous mode's own engine (the same
+  `VLLMEngine`: engine_kwargs, dtype, seed, KV cache, prefix caching) it is the baseline.
 
-`in_flight/bare-vllm tokens/s` = continuous / bare-vllm: what the searcher's loop (the updates,
-their loads and re-prefills, scoring, sending, the learner's thread in the same process) costs
-against vLLM generating the same prompts alone. Staging is each mode's default (`--staging auto`:
-stream with in-flight updates, host between rounds on CPU, as in runs).
+`in_flight/between_rounds learner wait` = the two modes' long windows' wait fractions.
 
-The learner's demand: `--per-step` new responses per `--train-s` step; by default
-(`--demand 0.7`) set from the bare run to 0.7 of the responses bare vLLM generates in one step's
-`--train-s`, i.e. the learner consumes 70% of what the engine alone could supply. A learner that
-asks for more than any generator can supply waits in every mode (the figure then says nothing
-about generation); one that asks for much less waits in none.
+`in_flight/bare-vllm tokens/s`: what the searcher's loop (updates, their loads and re-prefills,
+scoring, sending, the learner's thread in the same process) costs against vLLM alone, without the
+VM's drift (on this project's 2-core VM the same bare work's median step moved from 2.4 to 4.6 ms
+within a minute, the guest otherwise idle: windows seconds apart see different machines). After
+the long window the continuous mode's process runs interleaved windows on the same engine: bare,
+continuous, bare, ..., continuous, bare (`--pairs` continuous windows of `--pair-seconds` each,
+the learner resumed in each with a step that trains on what is queued, so updates come at the
+long window's rate from its start; each bare window generates as many groups as the last
+continuous window sent, the prompts the cursor hands out next; the prefix cache is reset before
+each window, as an update does). Each continuous window's tokens/s over the mean of its two bare
+neighbours is a pair's ratio (a drift linear over the three windows cancels); the headline is the
+median of the pairs' ratios, printed after each pair's line (tokens/s and median vLLM step of its
+three windows, its updates). Everything the mode costs stays in its windows; the pairs' and the
+long window's updates per second are printed side by side.
 
-Response lengths are fixed per prompt (EOS masked until then: the tiny model would otherwise stop
-after a few tokens): `--lengths varied` (default) draws each prompt's length in
-[max_new_tokens / 4, max_new_tokens] from a hash of its tokens, as real responses vary;
-`--lengths fixed` makes every response `--max-new-tokens` long. The model's 128 positions are
-extended (VLLM_ALLOW_LONG_MAX_MODEL_LEN; RoPE). Reported per mode: staleness in versions when the
-learner takes a response (mean over tokens; max: the oldest token), the learner's wait fraction
-((waiting for samples + blocked in the broadcast) / wall time) and its two parts, generated
-tokens/s (and per CPU-second of the process, which a loaded machine disturbs less), the
-receiver's measured peak staging bytes / one bucket, and for the step loop: the mean batch
-(running requests per step / prompts x S), the share of the wall time the engine was paused in
-weight loads, and the re-prefilled tokens per generated token. Timings are ratios within one run
-on a shared machine, not absolute figures. The three windows of the figure (bare before, the
-continuous mode, bare after) are printed side by side (tools/bench_probe.py): each one's median
-vLLM step, the cores the machine's other processes took meanwhile, and, in the continuous window,
-the CPU of the learner stand-in's and the weight receiver's threads; then continuous / bare in
-tokens per median step-time (each window rescaled by its own step speed; it still charges the
-loop, its loads and re-prefills). On a VM the same bare work's step moved from 2.4 to 4.6 ms
-within a minute with the guest otherwise idle: windows seconds apart see different machines.
+The learner's demand: `--per-step` new responses per `--train-s` step; by default (`--demand
+0.7`) 0.7 of the responses bare vLLM generates in one step's `--train-s`. Response lengths are
+fixed per prompt (EOS masked until then): `--lengths varied` (default) draws each in
+[max_new_tokens / 4, max_new_tokens] from a hash of the prompt's tokens; `fixed`: all
+`--max-new-tokens` (the model's 128 positions extended, VLLM_ALLOW_LONG_MAX_MODEL_LEN; RoPE).
+Reported per mode: staleness in versions when the learner takes a response (mean over tokens;
+max: the oldest token), the learner's wait fraction ((waiting for samples + blocked in the
+broadcast) / wall time) and its two parts, tokens/s (and per CPU-second of the process), the
+receiver's peak staging bytes / one bucket, and for the step loop: the mean batch (running
+requests per step / prompts x S), the share of the wall time paused in weight loads, and the
+re-prefilled tokens per generated token. The long window's bare before / after are printed beside
+it (tools/bench_probe.py: median vLLM step, other processes' cores, the learner's and receiver's
+thread CPU). Timings are ratios within one run on a shared machine, not absolute figures.
 """
 from __future__ import annotations
 
@@ -83,7 +77,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench_probe import Window, print_windows, timed_steps  # noqa: E402
+from bench_inflight_report import report  # noqa: E402
+from bench_probe import Window, step_split, timed_steps  # noqa: E402
 
 MODES = {"between_rounds": ("between_rounds", "rounds"), "in_flight": ("in_flight", "rounds"),
          "continuous": ("in_flight", "continuous")}
@@ -141,11 +136,12 @@ class Learner(threading.Thread):
     broadcasts the next version."""
 
     def __init__(self, pg, manifest, base: torch.Tensor, transport: QueueTransport, *,
-                 per_step: int, train_s: float, seconds: float):
+                 per_step: int, train_s: float, seconds: float, version: int = 0, first_wait: bool = True):
         super().__init__(name="bench-learner", daemon=True)
         self.pg, self.m, self.base, self.transport = pg, manifest, base, transport
         self.per_step, self.train_s, self.seconds = per_step, train_s, seconds
-        self.version, self.wait_s, self.sync_block_s, self.wall_s = 0, 0.0, 0.0, 0.0
+        self.version, self.wait_s, self.sync_block_s, self.wall_s = version, 0.0, 0.0, 0.0
+        self.first_wait = first_wait  # False: the first step trains on what is queued (a learner resumed)
         self.starved = 0  # steps that found no response waiting when they started waiting
         self.lags: list[np.ndarray] = []  # per response: learner version - token versions
         self.done = threading.Event()
@@ -155,8 +151,9 @@ class Learner(threading.Thread):
 
         t_start = time.perf_counter()
         while time.perf_counter() - t_start < self.seconds:
-            got, t0 = 0, time.perf_counter()
-            self.starved += self.transport.q.empty()
+            got, t0 = 0 if self.first_wait else self.per_step, time.perf_counter()
+            self.starved += self.transport.q.empty() and self.first_wait
+            self.first_wait = True
             while got < self.per_step:  # wait for fresh samples
                 got += self._take(self.transport.q.get())
             self.wait_s += time.perf_counter() - t0
@@ -260,68 +257,90 @@ def run_mode(mode: str, args, path: str, port: int) -> dict:
         s = _searcher(cfg, engine, receiver, transport, run_dir)
         learner = Learner(sender_pg, manifest, base, transport, per_step=args.per_step,
                           train_s=args.train_s, seconds=args.seconds)
-        transport.stop = learner.done  # STOP once the learner is done
         s.generate_round()  # warm-up: the first call's set-up, as the bare run's warm-up call
         with contextlib.suppress(queue.Empty):
             while True:
                 transport.q.get_nowait()
-        bare = []
         if mode == "continuous":  # vLLM alone on this engine, on the groups the searcher admits next
             picks = _upcoming(s, args.bare_turnovers * args.prompts)
-            bare.append(_bare(engine, s, picks, args))
+            before = _bare(engine, s, picks, args)
         stats0 = dict(vars(engine.step_stats))
-        s.timers = Timers()
-        learner.start()
-        window = Window(engine.bench_steps)  # the learner stand-in's and the receiver's own CPU
-        window.threads = {"learner": learner.native_id, "receiver": receiver._thread.native_id}
-        window.start()
-        t0, c0, first = time.perf_counter(), time.process_time(), transport.tokens
-        while not learner.done.is_set():
-            s.apply_weights()
-            if s.continuous:
-                s.generate_continuous()  # until the learner is done (STOP), then drained
-            else:
-                s.generate_round()
-        gen_s, tokens = time.perf_counter() - t0, transport.tokens - first
-        cpu_s = time.process_time() - c0
-        window = window.stop()
+        s.timers, sent0 = Timers(), s.sent
+        row = _row(mode, args, s, learner, stats0, _window(s, learner, transport, receiver))
+        bucket = staging_bytes(manifest, "stream") / 3
+        row["staging"], row["peak_per_bucket"] = staging, receiver.peak_staging_bytes / bucket
+        if mode == "continuous":  # and again after it; then the headline's interleaved windows
+            row["bare"] = [before, _bare(engine, s, picks, args)]
+            new = lambda version: Learner(sender_pg, manifest, base, transport, per_step=args.per_step,  # noqa: E731
+                                          train_s=args.train_s, seconds=args.pair_seconds,
+                                          version=version, first_wait=False)
+            row["pairs"] = _pairs(s, engine, transport, receiver, new, learner.version,
+                                  round((s.sent - sent0) / row["wall_s"] * args.pair_seconds), args)
         stop_receivers(sender_pg)
         receiver.join(timeout=60)
-        times = dict(s.timers.seconds)
-        if bare:  # and again after (the mean cancels a load that drifts during the mode)
-            bare.append(_bare(engine, s, picks, args))
         s.close()
+    return row
+
+
+def _row(mode: str, args, s, learner, stats0: dict, w: dict) -> dict:
+    """A mode's row, from its (long) window `w`: the learner's wait, staleness, tokens/s, the step
+    loop's counters since `stats0`."""
+    engine, gen_s, tokens, times = s.engine, w["wall_s"], w["tokens"], dict(s.timers.seconds)
     st = {k: v - stats0[k] for k, v in vars(engine.step_stats).items()}
     lags = np.concatenate(learner.lags) if learner.lags else np.zeros(1)
     oldest = [int(v.max()) for v in learner.lags] or [0]
-    bucket = staging_bytes(manifest, "stream") / 3
-    return {"update": mode, "staging": staging, "staleness_mean": float(lags.mean()),
-            "staleness_max": float(max(oldest)),
+    return {"update": mode, "staleness_mean": float(lags.mean()), "staleness_max": float(max(oldest)),
             "wait_frac": (learner.wait_s + learner.sync_block_s) / learner.wall_s,
             "samples_wait_frac": learner.wait_s / learner.wall_s,
             "sync_block_frac": learner.sync_block_s / learner.wall_s, "tokens_per_s": tokens / gen_s,
             "versions": learner.version, "starved_steps": learner.starved,
-            "peak_per_bucket": receiver.peak_staging_bytes / bucket,
             "updates_in_flight": engine.updates_in_flight, "groups": s.sent,
             "held_back": s.held_back, "dropped_span": s.dropped_span,
             "batch": st["running"] / max(st["steps"], 1) / (args.prompts * args.samples) if st["steps"] else None,
             "apply_frac": st["apply_s"] / gen_s if st["steps"] else times.get("apply", 0.0) / gen_s,
-            "reprefill_per_token": st["reprefill_tokens"] / max(tokens, 1), "steps": _step_split(st, gen_s),
+            "reprefill_per_token": st["reprefill_tokens"] / max(tokens, 1), "steps": step_split(st, gen_s),
             "searcher_s": {k: round(v, 2) for k, v in times.items()}, "wall_s": gen_s,
-            "tokens_per_cpu_s": tokens / max(cpu_s, 1e-9), "bare": bare, "window": window}
+            "tokens_per_cpu_s": tokens / max(w["cpu_s"], 1e-9), "bare": [], "window": w["window"]}
 
 
-def _step_split(st: dict, wall: float) -> dict | None:
-    """Where the step loop's wall time went: vLLM's steps (decode), the extra cost of the steps
-    that re-prefilled after an update (over a plain step's mean), the engine paused in weight
-    loads, and the rest (admissions, the loop's bookkeeping, scoring and sending, the learner's
-    and receiver's threads in the same process), as shares of the wall time."""
-    if not st["steps"]:
-        return None
-    plain = (st["step_s"] - st["reprefill_step_s"]) / max(st["steps"] - st["reprefill_steps"], 1)
-    extra = st["reprefill_step_s"] - st["reprefill_steps"] * plain
-    return {"step_ms": 1e3 * plain, "decode": (st["step_s"] - extra) / wall, "reprefill": extra / wall,
-            "apply": st["apply_s"] / wall, "rest": 1 - (st["step_s"] + st["apply_s"]) / wall}
+def _window(s, learner, transport, receiver) -> dict:
+    """One window of a mode: the learner stand-in runs its `seconds`, the searcher's loop runs
+    until it is done (STOP), then drains. tokens: sent meanwhile; the probe's window (bench_probe)
+    with the learner's and the receiver's thread CPU."""
+    s._stopping = False  # STOP is sticky in a run; the bench's next window starts again
+    transport.stop = learner.done  # STOP once the learner is done
+    s.engine.llm.reset_prefix_cache()  # as in bare windows: no prompt block cached by the last one
+    learner.start()
+    window = Window(s.engine.bench_steps)
+    window.threads = {"learner": learner.native_id, "receiver": receiver._thread.native_id}
+    window.start()
+    t0, c0, first = time.perf_counter(), time.process_time(), transport.tokens
+    while not learner.done.is_set():
+        s.apply_weights()
+        if s.continuous:
+            s.generate_continuous()  # until the learner is done (STOP), then drained
+        else:
+            s.generate_round()
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return {"tokens": transport.tokens - first, "wall_s": wall, "cpu_s": cpu, "window": window.stop()}
+
+
+def _pairs(s, engine, transport, receiver, new_learner, version: int, groups: int, args) -> dict:
+    """The headline's interleaved windows on this engine: bare, continuous, bare, ..., bare
+    (`--pairs` continuous windows of `--pair-seconds`). Each bare window generates the groups
+    the searcher's cursor hands out next, as many as the last continuous window sent (the first:
+    the long window's rate); each continuous window resumes the learner with a step that trains
+    on what is queued, so updates come at the long window's rate from its start."""
+    bare, modes = [], []
+    for _ in range(args.pairs):
+        bare.append(_bare(engine, s, _upcoming(s, max(groups, args.prompts)), args))
+        learner, sent0, up0 = new_learner(version), s.sent, engine.updates_in_flight
+        w = _window(s, learner, transport, receiver)
+        version, groups = learner.version, s.sent - sent0
+        modes.append({"tokens_per_s": w["tokens"] / w["wall_s"], "wall_s": w["wall_s"], "groups": groups,
+                      "updates": engine.updates_in_flight - up0, "window": w["window"]})
+    bare.append(_bare(engine, s, _upcoming(s, max(groups, args.prompts)), args))
+    return {"bare": bare, "modes": modes}
 
 
 def _upcoming(s, n: int) -> list[int]:
@@ -347,6 +366,7 @@ def _bare(engine, s, picks: list[int], args) -> dict:
     kw = {k: v for k, v in engine.request_kwargs().items() if k != "min_tokens"}  # the loop's settings
     params = [sampling_params(n=args.samples, temperature=s.cfg.temperature, logprobs=0,
                               min_tokens=length(p), max_tokens=length(p), **kw) for p in prompts]
+    engine.llm.reset_prefix_cache()  # as an update does: no prompt block cached by the last window
     window = Window(engine.bench_steps).start()
     t0, c0 = time.perf_counter(), time.process_time()
     outs = engine.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
@@ -422,6 +442,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="response lengths: varied per prompt in [max/4, max], or all max")
     p.add_argument("--bare-turnovers", type=int, default=16,
                    help="bare vLLM generates this many x --prompts groups")
+    p.add_argument("--pairs", type=int, default=10, help="continuous windows interleaved with bare ones")
+    p.add_argument("--pair-seconds", type=float, default=5.0, help="learner wall time per interleaved window")
     p.add_argument("--modes", default="between_rounds,continuous",
                    help="comma-separated: between_rounds, in_flight (rounds), continuous")
     p.add_argument("--only", help=argparse.SUPPRESS)  # internal: run one mode, print its row as JSON
@@ -445,57 +467,7 @@ def main(argv: list[str] | None = None) -> None:
     for m in modes:
         rows[m] = _child(m, argv)
         print(f"bench_inflight: {m}: {rows[m]}", file=sys.stderr, flush=True)
-    _report(args, rows, bare)
-
-
-def _report(args, rows: dict, bare: dict) -> None:
-    print(f"model: embedded tiny Llama; {args.prompts} prompts x S={args.samples} (continuous: groups "
-          f"running at once), {args.lengths} response lengths up to {args.max_new_tokens} tokens; learner: "
-          f"{args.per_step} new responses and {args.train_s} s per step (demand {args.demand:g} of bare "
-          f"vLLM's {bare['responses_per_s']:.1f} responses/s unless --per-step), a new version every step; "
-          f"staging {args.staging}, bucket {args.bucket_kb:g} KiB; {args.seconds:g} s per mode")
-    print("| update         | staging | versions | staleness mean/max | learner wait | samples | sync  "
-          "| starved steps | tokens/s | tokens/CPU-s | updates | batch | paused in loads | re-prefill/token |")
-    print("|----------------|---------|---------:|-------------------:|-------------:|--------:|------:"
-          "|--------------:|---------:|-------------:|--------:|------:|----------------:|-----------------:|")
-    for r in rows.values():
-        batch = f"{r['batch']:.2f}" if r["batch"] is not None else "-"
-        print(f"| {r['update']:14} | {r['staging']:7} | {r['versions']:8d} | "
-              f"{r['staleness_mean']:9.2f} / {r['staleness_max']:<6.0f} | {r['wait_frac']:12.3f} | "
-              f"{r['samples_wait_frac']:7.3f} | {r['sync_block_frac']:5.3f} | {r['starved_steps']:13d} | "
-              f"{r['tokens_per_s']:8.0f} | {r['tokens_per_cpu_s']:12.0f} | {r['updates_in_flight']:7d} | "
-              f"{batch:>5} | {r['apply_frac']:15.3f} | {r['reprefill_per_token']:16.3f} |")
-    cont, base = rows["continuous"], rows["between_rounds"]
-    same = cont["bare"]  # on the continuous mode's engine, before and after it
-    for name, b in (("bare-vllm", bare), ("bare, before", same[0]), ("bare, after", same[1])):
-        print(f"| {name:14} | {'':7} | {'':8} | {'':18} | {'':12} | {'':7} | {'':5} | {'':13} | "
-              f"{b['tokens_per_s']:8.0f} | {b['tokens_per_cpu_s']:12.0f} | {'':7} | {'':5} | {'':15} | {'':16} |")
-    for r in rows.values():
-        print(f"searcher time ({r['update']}, {r['wall_s']:.0f} s): {r['searcher_s']}; admissions held back: "
-              f"{r['held_back']}; dropped (version span): {r['dropped_span']}")
-    for r in rows.values():
-        if r["steps"]:
-            f = r["steps"]
-            print(f"step loop ({r['update']}): of the wall time, vLLM steps {f['decode']:.3f} (a step "
-                  f"{f['step_ms']:.2f} ms), re-prefill after updates {f['reprefill']:.3f} (over a plain "
-                  f"step), paused in loads {f['apply']:.3f}, the rest {f['rest']:.3f} (admissions, "
-                  "bookkeeping, scoring and sending, the process's other threads)")
-    streamed = [r["peak_per_bucket"] for r in rows.values() if r["staging"] == "stream"]
-    peak = max(streamed or [r["peak_per_bucket"] for r in rows.values()])  # stream's bound: 3 buckets
-    bare_tps = sum(b["tokens_per_s"] for b in same) / len(same)
-    bare_cpu = sum(b["tokens_per_cpu_s"] for b in same) / len(same)
-    print(f"sync staging peak/bucket = {peak:.2f}")
-    print(f"in_flight/between_rounds learner wait = {cont['wait_frac'] / max(base['wait_frac'], 1e-9):.3f}")
-    print(f"in_flight/bare-vllm tokens/s = {cont['tokens_per_s'] / bare_tps:.3f}")
-    print(f"(bare vLLM on the continuous mode's engine, the mean of its runs before and after the mode: "
-          f"{same[0]['tokens_per_s']:.0f} and {same[1]['tokens_per_s']:.0f} tokens/s; per CPU-second of the "
-          f"process, less sensitive to a shared machine's load: {cont['tokens_per_cpu_s'] / bare_cpu:.3f}; "
-          f"against bare vLLM in its own process: {cont['tokens_per_s'] / bare['tokens_per_s']:.3f})")
-    util = [b["tokens_per_s"] / b["tokens_per_cpu_s"] for b in (cont, *same)]
-    print(f"(CPU-seconds per wall second of the process: continuous {util[0]:.2f}, bare before "
-          f"{util[1]:.2f}, after {util[2]:.2f}; the tokens/s ratio holds only where all are near 1: "
-          "below, other jobs took the CPU from that window)")
-    print_windows(cont, same)
+    report(args, rows, bare)
 
 
 if __name__ == "__main__":

@@ -91,3 +91,40 @@ def print_windows(cont: dict, same: list[dict]) -> None:
               f"machine speed, charges our loop, its loads and re-prefills but not a slower decode step: "
               f"{per_step[1] / ((per_step[0] + per_step[2]) / 2):.3f})")
 
+
+
+def step_split(st: dict, wall: float) -> dict | None:
+    """Where a step loop's wall time went, from its `StepStats` deltas `st`: vLLM's steps (decode),
+    the extra cost of the steps that re-prefilled after an update (over a plain step's mean), the
+    engine paused in weight loads, and the rest (admissions, the loop's bookkeeping, scoring and
+    sending, the process's other threads), as shares of the wall time."""
+    if not st["steps"]:
+        return None
+    plain = (st["step_s"] - st["reprefill_step_s"]) / max(st["steps"] - st["reprefill_steps"], 1)
+    extra = st["reprefill_step_s"] - st["reprefill_steps"] * plain
+    return {"step_ms": 1e3 * plain, "decode": (st["step_s"] - extra) / wall, "reprefill": extra / wall,
+            "apply": st["apply_s"] / wall, "rest": 1 - (st["step_s"] + st["apply_s"]) / wall}
+
+
+def pair_ratios(modes: list[float], bares: list[float]) -> list[float]:
+    """Interleaved windows bare, mode, bare, ..., mode, bare: each mode window's tokens/s over the
+    mean of the two bare windows on its sides (a machine speed that drifts linearly across the
+    three cancels)."""
+    if len(bares) != len(modes) + 1:
+        raise ValueError(f"{len(modes)} mode windows need {len(modes) + 1} bare windows, not {len(bares)}")
+    return [m / ((a + b) / 2) for m, a, b in zip(modes, bares, bares[1:])]
+
+
+def print_pairs(pairs: dict) -> list[float]:
+    """Print bench_inflight's interleaved windows, one line per continuous window with its two bare
+    neighbours (tokens/s and median vLLM step of each), and return the ratios (pair_ratios)."""
+    modes, bares = pairs["modes"], pairs["bare"]
+    ratios = pair_ratios([m["tokens_per_s"] for m in modes], [b["tokens_per_s"] for b in bares])
+    for k, (m, r) in enumerate(zip(modes, ratios)):
+        a, b = bares[k], bares[k + 1]
+        print(f"pair {k + 1}: bare {a['tokens_per_s']:.0f} / continuous {m['tokens_per_s']:.0f} / bare "
+              f"{b['tokens_per_s']:.0f} tokens/s (median vLLM step {a['window']['step_ms'] or 0:.2f} / "
+              f"{m['window']['step_ms'] or 0:.2f} / {b['window']['step_ms'] or 0:.2f} ms; windows "
+              f"{a['wall_s']:.1f} / {m['wall_s']:.1f} / {b['wall_s']:.1f} s; {m['updates']} updates, "
+              f"{m['groups']} groups): continuous / mean of its bare neighbours = {r:.3f}")
+    return ratios
