@@ -46,7 +46,7 @@ def test_bench_sp_prints_its_figures():
 
 def test_bench_weight_sync_prints_its_figures():
     out = _run("bench_weight_sync.py", "--params", "2e6", "--bucket-mb", "1", "--repeats", "1",
-               "--engine-params", "1e6", "--engine-buckets", "32")
+               "--engine-bucket-mb", "1", "--engine-buckets", "32")
     rows = [line for line in out.splitlines() if line.startswith("|") and line.rstrip().endswith("|")]
     assert rows and rows[-1].rstrip().endswith("yes |"), out[-3000:]  # the receivers' copy is bit-exact
     for name in ("engine-process sync peak/bucket", "engine-process sync / raw broadcast"):

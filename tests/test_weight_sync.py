@@ -200,6 +200,37 @@ def _worker(rank: int, learners: int, cases: list, ports: list[int], result_dir:
     open(os.path.join(result_dir, f"ok{rank}"), "w").close()
 
 
+def test_a_bucket_lying_back_to_back_is_broadcast_from_where_it_lies():
+    """`WeightSender._in_place`: plain parameters that are consecutive views of one buffer, in the
+    wire dtype, are their buckets already (no pack); a gap, another buffer or another dtype is not."""
+    from hpc_tba.comm.weight_sync import WeightSender
+
+    shapes = [("a", (4, 3)), ("b", (5,)), ("c", (2, 2)), ("d", (7,))]
+    m = Manifest.build(shapes, bucket_bytes=4 * 17)  # buckets (a, b), (c, d)
+    assert m.buckets == ((0, 1), (2, 3))
+
+    def model(parts):
+        mod = torch.nn.Module()
+        for (n, s), t in zip(shapes, parts):
+            mod.register_parameter(n, torch.nn.Parameter(t.view(s)))
+        return mod
+
+    flat = torch.randn(28)
+    sender = WeightSender(model(flat.split([12, 5, 4, 7])), m, None)
+    views = [sender._in_place(idx) for idx in m.buckets]
+    assert [v.data_ptr() for v in views] == [flat.data_ptr(), flat[17:].data_ptr()]
+    assert torch.equal(torch.cat(views), flat)
+    gap = torch.randn(29)  # c starts one element after b ends: bucket (c, d) still lies whole
+    sender = WeightSender(model([gap[:12], gap[12:17], gap[18:22], gap[22:]]), m, None)
+    assert sender._in_place(m.buckets[0]) is not None and sender._in_place(m.buckets[1]) is not None
+    sender = WeightSender(model([gap[:12], gap[13:18], gap[18:22], gap[22:29]]), m, None)
+    assert sender._in_place(m.buckets[0]) is None  # a gap inside the bucket
+    apart = [torch.randn(12), torch.randn(5), torch.randn(4), torch.randn(7)]
+    assert WeightSender(model(apart), m, None)._in_place(m.buckets[0]) is None
+    m16 = Manifest.build(shapes, bucket_bytes=4 * 17, wire_dtype="bf16")
+    assert WeightSender(model(flat.split([12, 5, 4, 7])), m16, None)._in_place(m16.buckets[0]) is None
+
+
 def test_three_process_gloo_sync(tmp_path):
     # direct: all-gather from the ZeRO-3 shards into the staging slot; else GatheredParameters.
     # piece: bytes of one broadcast (a bucket travels as pieces cut across parameters: 600 B)

@@ -99,11 +99,13 @@ class _Engine(StandInWorkers):
 
 
 class _Model(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, packed: bool = False):
+        """Each bucket is one parameter, broadcast from where it lies (`WeightSender._in_place`);
+        `packed`: the parameters are transposed views (not contiguous): packed into the slots."""
         super().__init__()
         self.blocks = torch.nn.ModuleList(torch.nn.Module() for _ in LAYERS)
         for block in self.blocks:
-            block.w = torch.nn.Parameter(torch.zeros(32, 32))
+            block.w = torch.nn.Parameter(torch.zeros(32, 32).t() if packed else torch.zeros(32, 32))
 
     def set(self, version: int) -> dict:
         g = torch.Generator().manual_seed(version)
@@ -126,12 +128,13 @@ def _assert_loaded(engine: _Engine, want: dict) -> None:
             assert torch.equal(params[name], t), name
 
 
-def _setup(delay_s: float = 0.0, piece_bytes: int = WIRE_PIECE_BYTES):
+def _setup(delay_s: float = 0.0, piece_bytes: int = WIRE_PIECE_BYTES, packed: bool = False):
     m = Manifest.build(LAYERS, bucket_bytes=BUCKET, piece_bytes=piece_bytes)
     assert len(m.buckets) == 40
     tx, rx_pg = sync_group_pair()
-    model = _Model()
+    model = _Model(packed)
     sender = WeightSender(model, m, tx)
+    assert all((sender._in_place(idx) is None) == packed for idx in m.buckets)
     rx = WeightReceiver(m, rx_pg, staging="stream")
     engine = _Engine(LAYERS, delay_s)
     rx.serve_engine(engine)
@@ -146,9 +149,11 @@ def _teardown(sender, rx, engine) -> None:
     engine.close()
 
 
-@pytest.mark.parametrize("piece_bytes", [WIRE_PIECE_BYTES, 1000])  # 1000: a bucket in 5 pieces
-def test_workers_receive_the_broadcast_bucket_by_bucket_and_the_searcher_holds_nothing(piece_bytes):
-    m, model, sender, rx, engine = _setup(piece_bytes=piece_bytes)
+# 1000: a bucket in 5 pieces; packed: the learner packs each bucket into a slot first
+@pytest.mark.parametrize("piece_bytes,packed", [(WIRE_PIECE_BYTES, False), (1000, False),
+                                                (1000, True)])
+def test_workers_receive_the_broadcast_bucket_by_bucket_and_the_searcher_holds_nothing(piece_bytes, packed):
+    m, model, sender, rx, engine = _setup(piece_bytes=piece_bytes, packed=packed)
     try:
         for version in (1, 2):
             want = model.set(version)

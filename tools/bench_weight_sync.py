@@ -16,10 +16,12 @@ bucket size it times, on that same group:
 
 Both are bracketed by the same barrier on a separate control group; the ratio is raw_s / sync_s
 (goal >= 0.8). Medians of `--repeats` after two warm-up syncs (they allocate the staging buffers).
-Then, for out-of-process engines (`--engine-buckets`, default 48 buckets; `--engine-params`, one
-set of lines per size given: 16e6 by default, 1.3 MiB fp32 buckets, far below the configured 64 /
-256 / 512 MiB, where each bucket's messages cost most; 64e6 and 128e6 give 5-15 MiB buckets):
-the learner's `WeightSender` -> two engine worker processes (tensor parallel 2, the real worker
+Then, for out-of-process engines (`--engine-bucket-mb`, one set of lines per size given;
+`--engine-buckets`, 32 by default: the issue's 32+): a narrow, deep Llama cut into exactly that
+many buckets of that size, by default the configured `learner.sync_bucket_mb` (LearnerConfig:
+64 MiB, a 2 GiB fp32 model), because that is what a run broadcasts; the per-message cost of gloo
+dominates far below it (`--engine-bucket-mb 64 1.3` adds the small-bucket lines; 0 skips them).
+The learner's `WeightSender` -> two engine worker processes (tensor parallel 2, the real worker
 extension with a stand-in loader that copies each tensor into its parameter: vLLM's own loader
 is not timed) that receive every bucket themselves on their engine group, while the searcher's
 `WeightReceiver` (serve_engine) only decides and asks them to load; it prints
@@ -46,6 +48,7 @@ import time
 import torch
 
 from hpc_tba.comm.groups import free_ports
+from hpc_tba.config.learner import LearnerConfig
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -223,9 +226,11 @@ class _StandInWorker:
     def raw(self, numel: int, repeats: int, sizes: list[int] | None = None) -> None:
         """The raw baselines: `repeats` + 1 broadcasts of `numel` fp32 on the engine group itself,
         into one buffer allocated (and faulted in) before the first: one flat broadcast, or (with
-        `sizes`) one per bucket, back to back (no loader, no allocation, no decision)."""
+        `sizes`) one per bucket, back to back (no loader, no allocation, no decision). The syncs
+        are over: the parameters are dropped first (a 2 GiB model twice per worker otherwise)."""
         from hpc_tba.comm.weight_sync import broadcast_async
 
+        self.params = {}
         buf = torch.zeros(numel)
         for _ in range(repeats + 1):
             for part in _cut(buf, sizes):
@@ -283,13 +288,17 @@ class _StandInEngine:
 
 
 class _Flat(torch.nn.Module):
-    """The learner's model for the out-of-process rows: plain parameters of the given shapes."""
+    """The learner's model for the out-of-process rows: plain parameters of the given shapes,
+    views of one flat buffer (`self.flat`, also what the learner's raw broadcasts send: no second
+    copy of the model)."""
 
     def __init__(self, shapes):
         super().__init__()
         self.names = [n for n, _ in shapes]
-        for i, (_, s) in enumerate(shapes):
-            self.register_parameter(f"p{i}", torch.nn.Parameter(torch.randn(s)))
+        sizes = [torch.Size(s).numel() for _, s in shapes]
+        self.flat = torch.randn(sum(sizes))
+        for i, (part, (_, s)) in enumerate(zip(self.flat.split(sizes), shapes)):
+            self.register_parameter(f"p{i}", torch.nn.Parameter(part.view(s)))
 
     def named_parameters(self, *args, **kwargs):
         return zip(self.names, (p for _, p in super().named_parameters()))
@@ -310,7 +319,8 @@ def _engine_worker(rank: int, args, ports: list[int], shapes, bucket: int, out) 
         rx = WeightReceiver(m, sync, staging="stream")
         rx.serve_engine(engine)
     else:
-        sender = WeightSender(_Flat(shapes), m, sync)
+        model = _Flat(shapes)
+        sender = WeightSender(model, m, sync)
     _barrier(ctl)
     times, peaks = [], []
     for r in range(WARMUP + args.repeats):
@@ -334,7 +344,7 @@ def _engine_worker(rank: int, args, ports: list[int], shapes, bucket: int, out) 
     # back into preallocated buffers (what a bucketed protocol costs on this group by itself)
     raws, raws_sync, raws_cut = [], [], []
     sizes = [m.bucket_numel(b) for b in range(len(m.buckets))]
-    flat = torch.randn(m.numel) if rank == 0 else None
+    flat = model.flat if rank == 0 else None
     for cut, out_s in ((None, raws), (sizes, raws_cut)):
         _barrier(ctl)
         if rank == 0:
@@ -366,20 +376,48 @@ def _engine_worker(rank: int, args, ports: list[int], shapes, bucket: int, out) 
         engine.close()
 
 
-def engine_process_rows(args, params: float) -> None:
-    """The out-of-process lines (module docstring) for a model of `params` parameters cut into
-    about `--engine-buckets` buckets: TP=2 stand-in workers in the broadcast."""
-    import torch.multiprocessing as mp
+def engine_shapes(bucket_bytes: int, buckets: int) -> list[tuple[str, tuple[int, ...]]]:
+    """A narrow, deep Llama (every tensor <= 1 MiB fp32) with the fewest layers that make at
+    least `buckets` buckets of `bucket_bytes` (Manifest.build's greedy cut: full buckets of one
+    size, exactly `buckets` of them where a layer is smaller than a bucket)."""
     from transformers import LlamaConfig
 
-    # narrow and deep (many tensors of similar size): buckets of one size, 32+ of them
-    hidden, inter, vocab = 256, 1024, 4096
-    layers = max(1, round((params - 2 * vocab * hidden) / (4 * hidden * hidden + 3 * hidden * inter)))
-    shapes = named_shapes(LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-                                      num_attention_heads=8, num_key_value_heads=8, vocab_size=vocab,
-                                      tie_word_embeddings=False))
+    from hpc_tba.comm.weight_sync import Manifest
+
+    hidden, inter, vocab = 256, 1024, 1024
+    one = named_shapes(LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=1,
+                                   num_attention_heads=8, num_key_value_heads=8, vocab_size=vocab,
+                                   tie_word_embeddings=False))
+    layer = [(n, s) for n, s in one if n.startswith("model.layers.0.")]
+    outer = [(n, s) for n, s in one if not n.startswith("model.layers.")]
+
+    def shapes(layers: int) -> list[tuple[str, tuple[int, ...]]]:
+        return outer[:1] + [(n.replace(".0.", f".{i}.", 1), s) for i in range(layers)
+                            for n, s in layer] + outer[1:]
+
+    def count(layers: int) -> int:
+        return len(Manifest.build(shapes(layers), bucket_bytes=bucket_bytes).buckets)
+
+    per_layer = sum(torch.Size(s).numel() for _, s in layer)
+    layers = max(1, round((buckets * bucket_bytes / 4 - 2 * vocab * hidden) / per_layer))
+    while layers > 1 and count(layers - 1) >= buckets:
+        layers -= 1
+    while count(layers) < buckets:
+        layers += 1
+    return shapes(layers)
+
+
+def engine_process_rows(args, mb: float) -> None:
+    """The out-of-process lines (module docstring) for `--engine-buckets` buckets of `mb` MiB:
+    TP=2 stand-in workers in the broadcast."""
+    import torch.multiprocessing as mp
+
+    from hpc_tba.comm.weight_sync import Manifest
+
+    bucket = int(mb * 2**20)
+    shapes = engine_shapes(bucket, args.engine_buckets)
     total = 4 * sum(torch.Size(s).numel() for _, s in shapes)
-    bucket = max(total // args.engine_buckets, 1 << 16)
+    largest = 4 * Manifest.build(shapes, bucket_bytes=bucket).largest_bucket_numel
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
     mp.start_processes(_engine_worker, args=(args, free_ports(2), shapes, bucket, out), nprocs=2,
@@ -390,11 +428,11 @@ def engine_process_rows(args, params: float) -> None:
         got[item[0]] = item[1:]
     sync_s, raw_s, raw_sync_s, nb, raw_cut_s = got["times"]
     print(f"engine processes (TP=2 stand-in workers in the learner's broadcast, fp32): "
-          f"{total / 1e9:.3f} GB in {nb} buckets of <= {bucket / 2**20:.1f} MiB; sync {sync_s:.3f} s "
+          f"{total / 1e9:.3f} GB in {nb} buckets of <= {largest / 2**20:.1f} MiB; sync {sync_s:.3f} s "
           f"(learner send -> both workers loaded), raw broadcast on the engine group {raw_s:.3f} s, "
           f"learner -> searcher process {raw_sync_s:.3f} s (medians of {args.repeats}); searcher "
           f"process staging peak {got['peak'][1]} B")
-    size = f"({nb} buckets of <= {bucket / 2**20:.1f} MiB)"  # the per-message cost depends on it
+    size = f"({nb} buckets of <= {largest / 2**20:.1f} MiB)"  # the per-message cost depends on it
     print(f"engine-process sync peak/bucket = {got['peak'][0]:.2f} {size}")
     print(f"engine-process sync / raw broadcast = {raw_s / sync_s:.2f} {size}")
     print(f"(context: the same bytes as {nb} back-to-back bucket broadcasts on the engine group, "
@@ -428,10 +466,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=3, help="timed syncs per bucket size (median)")
     p.add_argument("--wire-dtype", default="fp32", help="fp32 or bf16")
     p.add_argument("--backend", default="gloo", help="gloo (CPU) or nccl")
-    p.add_argument("--engine-params", type=float, nargs="+", default=[16e6],
-                   help="model sizes of the out-of-process rows, one set of lines each (0: skip "
-                        "them); with --engine-buckets they set the bucket size the lines print")
-    p.add_argument("--engine-buckets", type=int, default=48, help="buckets of the out-of-process rows")
+    p.add_argument("--engine-bucket-mb", type=float, nargs="+", default=[LearnerConfig().sync_bucket_mb],
+                   help="bucket sizes in MiB of the out-of-process rows, one set of lines each "
+                        "(default: the configured learner.sync_bucket_mb; 0: skip them)")
+    p.add_argument("--engine-buckets", type=int, default=32, help="buckets of the out-of-process rows")
     p.add_argument("--skip-in-process", action="store_true", help="only the out-of-process rows")
     args = p.parse_args(argv)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -460,9 +498,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"(ratio = raw s / sync s; gather+pack = learner 0's time in ZeRO-3 gathers and packing, "
           f"wait = its time blocked on broadcasts; bit-exact = every receiver's last version equals "
           f"the learners' GatheredParameters view; {time.time() - t0:.0f} s in all)")
-    for params in args.engine_params:
-        if params:
-            engine_process_rows(args, params)
+    for mb in args.engine_bucket_mb:
+        if mb:
+            engine_process_rows(args, mb)
     print(analytic_70b())
 
 
