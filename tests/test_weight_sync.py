@@ -231,6 +231,41 @@ def test_a_bucket_lying_back_to_back_is_broadcast_from_where_it_lies():
     assert WeightSender(model(flat.split([12, 5, 4, 7])), m16, None)._in_place(m16.buckets[0]) is None
 
 
+def _one_learner_with_optimizer(rank: int, port: int) -> list:
+    """One ZeRO-3 learner after `deepspeed.initialize` with an optimizer (what a run's learner is):
+    for each bucket, whether `_in_place` finds it lying whole, and whether what it finds is the
+    bucket's bytes (GatheredParameters' view of the parameters, in manifest order)."""
+    import deepspeed
+
+    from hpc_tba.comm.weight_sync import WeightSender
+
+    os.environ.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    model = _learner_model(rank, 1, port, SHAPES)
+    ds = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
+    engine, *_ = deepspeed.initialize(model=model, config=ds, model_parameters=model.parameters())
+    m = Manifest.build(_named_shapes(SHAPES), bucket_bytes=2048)
+    sender = WeightSender(engine.module, m, None)
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params):
+        want = torch.cat([p.data.flatten() for p in params]).clone()
+    out = []
+    for b, idx in enumerate(m.buckets):
+        got = sender._in_place(idx)
+        a, z = m.bucket_starts[b], m.bucket_starts[b + 1]
+        out.append((got is not None, got is not None and torch.equal(got, want[a:z])))
+    return out
+
+
+def test_a_zero3_learner_of_one_sends_its_buckets_from_where_they_lie():
+    """The path `_in_place` opens is a run's, not only the bench's: one ZeRO-3 learner's optimizer
+    lays its shards back to back in module order (its flat fp32 partition), so every bucket is
+    broadcast from there, and it holds exactly the bucket's bytes."""
+    [found] = spawn_ranks(_one_learner_with_optimizer, 1, (free_ports(1)[0],), timeout_s=120)
+    assert len(found) > 1 and all(lies and equal for lies, equal in found), found
+
+
 def test_three_process_gloo_sync(tmp_path):
     # direct: all-gather from the ZeRO-3 shards into the staging slot; else GatheredParameters.
     # piece: bytes of one broadcast (a bucket travels as pieces cut across parameters: 600 B)
