@@ -5,8 +5,10 @@
         [--wire-dtype fp32|bf16] [--backend gloo|nccl]
 
 Spawns learners + receivers on this machine. The learners hold a Llama (built locally from a
-config, no download) under DeepSpeed ZeRO-3 (deepspeed.zero.Init on their own gloo group); learner
-rank 0 and the receivers form the weight-sync group of `new_group`, exactly as in a run. For each
+config, no download) under DeepSpeed ZeRO-3 (deepspeed.zero.Init on their own gloo group, then
+deepspeed.initialize with an optimizer, as in a run: one learner's shards then lie in one flat
+partition and its buckets go from there, `WeightSender._in_place`); learner rank 0 and the
+receivers form the weight-sync group of `new_group`, exactly as in a run. For each
 bucket size it times, on that same group:
 
 - sync: `WeightSender.send` on every learner (ZeRO-3 gathers, packing, broadcasts) until every
@@ -95,9 +97,14 @@ def _build_learner(args, rank: int, port: int, cfg):
     deepspeed.init_distributed(dist_backend=args.backend, auto_mpi_discovery=False, verbose=False,
                                init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                world_size=args.learners)
-    ds = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
+    ds = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "torch_adam": True}}}
     with deepspeed.zero.Init(config_dict_or_path=ds):
-        return LlamaForCausalLM(cfg)
+        model = LlamaForCausalLM(cfg)
+    # built as a run's learner is: with its optimizer, ZeRO-3 keeps the shards in one flat
+    # partition (one learner: the buckets lie whole there, WeightSender._in_place)
+    engine, *_ = deepspeed.initialize(model=model, config=ds, model_parameters=model.parameters())
+    return engine.module
 
 
 def _worker(rank: int, args, ports: list[int], shapes, cfg) -> None:
