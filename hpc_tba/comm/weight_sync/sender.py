@@ -124,14 +124,15 @@ class WeightSender:
     def _in_place(self, idx: tuple[int, ...]) -> torch.Tensor | None:
         """The bucket of parameters `idx` as one view of the memory they already occupy, or None.
 
-        Where a bucket's parameters are whole on this rank (plain parameters, or ZeRO-3 shards of
-        a group of one), in the wire dtype, and back to back in one storage in manifest order (a
-        model built as views of one buffer; one ZeRO-3 learner's flat partition after
-        `deepspeed.initialize` with its optimizer: tests/test_weight_sync.py), they are the bucket already: it is broadcast from
-        there, with no gather and no copy into a slot (measured on 2 CPU cores with 64 MiB
-        buckets: the pack was 0.31 s of CPU a 2 GB sync, tools/bench_weight_sync.py). Nothing on
-        this path runs a collective, so other learner ranks gathering their own way stay in step.
-        Never on the meta device (the dry run counts the slots, which stay allocated)."""
+        Where a bucket's parameters are whole on this rank (plain parameters, or ZeRO-3 shards of a
+        group of one), in the wire dtype, and back to back in one storage in manifest order (a model
+        built as views of one buffer; one ZeRO-3 learner's flat partition after
+        `deepspeed.initialize` with its optimizer: tests/test_weight_sync.py), they are the bucket
+        already: it is broadcast from there, with no gather and no copy into a slot (measured on 2
+        CPU cores with 64 MiB buckets: the pack was 0.31 s of CPU a 2 GB sync,
+        tools/bench_weight_sync.py). Nothing on this path runs a collective, so other learner ranks
+        gathering their own way stay in step. Never on the meta device (the dry run counts the
+        slots, which stay allocated)."""
         import torch.distributed as dist
 
         m = self.manifest
