@@ -2,12 +2,16 @@
 
 1. Weight sync with CUDA tensors: a ZeRO-3 sender (DeepSpeed on CUDA, NCCL default group of
    one) and a CUDA receiver in another process, over a gloo sync group (NCCL refuses two ranks
-   on one GPU); fp32 and bf16 wire, direct shard gathers and GatheredParameters, bit-exact.
+   on one GPU); fp32 and bf16 wire, direct shard gathers and GatheredParameters, bit-exact,
+   received into device staging (CUDA tensors) and host staging (host memory registered with
+   CUDA: pinned).
 2. The learner's engine on CUDA: the tiny Llama of hpc_tba.models.tiny (built here, no
    download) loaded by hpc_tba.models.loading under ZeRO-3 in bf16, trained a few steps with TB
    then GRPO through hpc_tba.losses.compute_loss (finite, decreasing); the direct shard gathers
    of WeightSender equal GatheredParameters bit-exactly; a checkpoint of the CUDA engine loads
-   with weights_only into a fresh one bit-exactly.
+   with weights_only into a fresh one bit-exactly; one learner's bf16 shards lie back to back on
+   the device after `deepspeed.initialize`, so every bucket is broadcast from where it lies
+   (`WeightSender._in_place`), and what arrives is GatheredParameters' bytes.
 3. With two GPUs or more: test 1 over NCCL, receiver on the second GPU.
 4. The real learner role (tools/role_check.py, CPU twin tests/test_role_check.py): Learner built
    by hpc_tba.assembly.build on the accelerator, trajectories replayed over the real MPI transport,
@@ -116,27 +120,31 @@ def _send_versions(model, manifest, sync, ctl, *, device, direct: bool) -> None:
     sender.stop()
 
 
-def _check(staged, version: int, manifest, device) -> None:
+def _check(staged, version: int, manifest, device, staging: str) -> None:
+    """Device staging hands out tensors on the receiver's device; host staging in host memory,
+    pinned (registered with CUDA) where CUDA exists."""
     assert staged is not None and staged.version == version
+    where = device.type if staging == "device" else "cpu"
     for (name, got), want in zip(staged.tensors, _weights(version)):
-        assert got.device.type == device.type and got.dtype == manifest.dtype, name
+        assert got.device.type == where and got.dtype == manifest.dtype, (name, staging, got.device, got.dtype)
+        assert staging == "device" or ON_CPU or got.is_pinned(), (name, "host staging is not pinned")
         assert torch.equal(got.cpu(), want.to(manifest.dtype)), f"{name} differs in version {version}"
 
 
-def _receive_versions(manifest, sync, ctl, *, device) -> None:
+def _receive_versions(manifest, sync, ctl, *, device, staging: str) -> None:
     from hpc_tba.comm.weight_sync import WeightReceiver
 
-    rx = WeightReceiver(manifest, sync, device=str(device))
+    rx = WeightReceiver(manifest, sync, device=str(device), staging=staging)
     for v in (1, 2, 3):
         assert rx.wait_for(v, timeout=60), f"version {v} never arrived"
         staged, evals = rx.take()
-        _check(staged, v, manifest, device)
+        _check(staged, v, manifest, device, staging)
         assert evals == ([2] if v == 2 else [])
         _barrier(ctl)
     _barrier(ctl)
     assert rx.wait_for(6, timeout=60)
     staged, evals = rx.take()
-    _check(staged, 6, manifest, device)
+    _check(staged, 6, manifest, device, staging)
     assert evals == [5] and rx.received_versions == [1, 2, 3, 4, 5, 6]
     rx.join(timeout=60)
     assert rx.stopped and rx.error is None
@@ -154,12 +162,13 @@ def _sync_worker(rank: int, ports: list[int], tmp: str, backend: str) -> None:
         assert all(p.ds_tensor.device.type == device.type for p in model.parameters())
     sync, ctl = _groups(rank, ports, backend=backend)
     named = [(n.replace(".", "_"), s) for n, s in SHAPES]
-    for wire, direct in [(torch.bfloat16, True), (torch.bfloat16, False), (torch.float32, True)]:
+    for wire, direct, staging in [(torch.bfloat16, True, "device"), (torch.bfloat16, False, "host"),
+                                  (torch.float32, True, "device"), (torch.float32, False, "host")]:
         manifest = Manifest.build(named, bucket_bytes=2048, wire_dtype=wire)
         if rank == 0:
             _send_versions(model, manifest, sync, ctl, device=device, direct=direct)
         else:
-            _receive_versions(manifest, sync, ctl, device=device)
+            _receive_versions(manifest, sync, ctl, device=device, staging=staging)
         _barrier(ctl)
     Path(tmp, f"ok{rank}").touch()
 
@@ -291,7 +300,7 @@ def _engine_worker(rank: int, ports: list[int], tmp: str, path: str) -> None:
     if rank == 1:  # a searcher's receiver: the two versions the learner sends
         _barrier(ctl)
         manifest = Manifest.from_json(json.loads((out / "manifest.json").read_text()))
-        rx = WeightReceiver(manifest, sync, device=str(device))
+        rx = WeightReceiver(manifest, sync, device=str(device), staging="device")
         for v in (1, 2):
             assert rx.wait_for(v, timeout=120), f"version {v} never arrived"
             staged, _ = rx.take()
@@ -309,6 +318,10 @@ def _engine_worker(rank: int, ports: list[int], tmp: str, path: str) -> None:
     names = [(n, tuple(p.ds_shape)) for n, p in engine.module.named_parameters()]
     manifest = Manifest.build(names, bucket_bytes=1 << 16, wire_dtype=torch.bfloat16)
     (out / "manifest.json").write_text(json.dumps(manifest.to_json()))
+    # one learner after deepspeed.initialize: its bf16 shards lie back to back on the device, so
+    # version 1's buckets go from where they lie (WeightSender._in_place), no gather, no pack
+    probe = WeightSender(engine.module, manifest, None, device=str(device))
+    report["in_place"] = [probe._in_place(idx) is not None for idx in manifest.buckets]
     _barrier(ctl)
     for v, direct in ((1, True), (2, False)):  # shard gathers, then GatheredParameters
         sender = WeightSender(engine.module, manifest, sync, device=str(device), direct_gather=direct)
@@ -340,6 +353,7 @@ def test_zero3_bf16_engine_trains_syncs_and_resumes(tmp_path, tiny_model):
         assert torch.equal(v1[name], want), f"direct shard gather differs on {name}"
         assert torch.equal(v2[name], want), f"GatheredParameters sync differs on {name}"
     assert report["checkpoint_differs"] == []
+    assert len(report["in_place"]) > 1 and all(report["in_place"]), report["in_place"]
 
 
 def test_real_learner_role_on_the_device(tmp_path):

@@ -21,7 +21,8 @@
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 #     -d .whl pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \
-#     typing-extensions==4.16.0 hjson==3.1.0 mpi4py mpich
+#     typing-extensions==4.16.0 hjson==3.1.0 mpi4py==4.1.2 mpich==5.0.2 omegaconf==2.3.1 hydra-core==1.3.8
+#   cp ~/.cache/pip/wheels/*/*/*/*/antlr4_python3_runtime-4.9.3-py3-none-any.whl .whl/   # hydra's parser
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
 PY=${PYTHON:-python3}
@@ -36,6 +37,36 @@ main() {
     fi
     export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
     export PATH="$SITE/bin:$PATH"  # mpiexec of the mpich wheel
+    # pip --target drops a wheel's data/lib (MPICH's libmpi.so.12 among it; seen on the H200
+    # image, 2026-12-04, where mpi4py then took the system's Open MPI): unpack it by hand
+    if compgen -G ".whl/mpich-*.whl" >/dev/null; then
+        "$PY" -c '
+import os, sys, zipfile
+with zipfile.ZipFile(sys.argv[2]) as z:  # data/lib/... -> $SITE/lib/... (libmpi.so.12, lib/mpich/)
+    for info in z.infolist():
+        parts = info.filename.split("/")
+        if len(parts) < 4 or parts[1:3] != ["data", "lib"] or info.is_dir():
+            continue
+        out = os.path.join(sys.argv[1], "lib", *parts[3:])
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        with open(out, "wb") as dst:
+            dst.write(z.read(info))
+        os.chmod(out, 0o755)
+' "$SITE" .whl/mpich-*.whl || { echo "gpu_check: MPICH's libraries did not unpack"; return 1; }
+        export LD_LIBRARY_PATH="$SITE/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    fi
+    # mpi4py picks its MPI ABI from the symbols already in the process: on the H200 image
+    # (2026-12-04) it took Open MPI's (the role check ran as a singleton under MPICH's mpiexec:
+    # "the job has 1 ranks"), so something imported before it, torch by all signs, brings a
+    # system Open MPI into the global scope. Where that is so, MPICH's libmpi goes first
+    # (LD_PRELOAD) and mpi4py is told its ABI; elsewhere nothing changes. Not yet run on a GPU.
+    if [[ -e "$SITE/lib/libmpi.so.12" ]] && "$PY" -c \
+        'import ctypes, sys, torch; sys.exit(0 if hasattr(ctypes.CDLL(None), "ompi_mpi_comm_self") else 1)'; then
+        echo "torch brings Open MPI's symbols: MPICH's libmpi preloaded for mpi4py"
+        export LD_PRELOAD="$SITE/lib/libmpi.so.12${LD_PRELOAD:+:$LD_PRELOAD}" MPI4PY_MPIABI=mpich
+    elif [[ -e "$SITE/lib/libmpi.so.12" ]]; then
+        echo "torch brings no Open MPI symbols: mpi4py finds MPICH's libmpi itself"
+    fi
 
     echo "== machine"
     nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv 2>&1 || echo "no nvidia-smi"
