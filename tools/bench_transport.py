@@ -1,8 +1,8 @@
 """Benchmark: the MPI trajectory exchange (MPITransport, as searchers and learners use it) against
 raw mpi4py sends of the same bytes.
 
-    python tools/bench_transport.py [--messages 400] [--responses 24] [--tokens 512] [--prompt 256]
-        [--repeats 3]
+    python tools/bench_transport.py [--messages 4000] [--responses 24] [--tokens 512] [--prompt 256]
+        [--repeats 5]
 
 Starts itself under `mpiexec -n 2` (rank 1 the searcher, rank 0 the learner). Per trial both
 ranks meet at a barrier, then:
@@ -25,7 +25,11 @@ Measured (2026-12-02, 2 shared cores, MPICH): 100 kB messages 0.52-0.70 on a qui
 messages/s against raw's ~320,000: ~20 µs of Python per message, mostly unpack's dataclass
 construction and checks, far above what searchers send. Unpacking into views of the received
 buffer (no copies) raised the 100 kB median from 0.42 to 0.53 (3 trials each, under load).
-Tried and left out: one Testsome for all pending sends instead of a Test each: slower for 100 kB
+Measured (2026-12-04, 2-core AMD EPYC, each run alone on the cores): with the old default of 400
+messages a trial, 0.31 / 0.72 / 0.66 in three runs (a raw trial of 100 kB messages lasted ~10 ms);
+with 4000 messages and 5 trials, now the default, 0.585 / 0.658 / 0.658 (exchange 27.6-28.6k
+messages/s = 2.8 GB/s, raw 43-47k); 0.8 kB messages 0.17-0.23 (~58k messages/s against raw's
+260-340k). Tried and left out: one Testsome for all pending sends instead of a Test each: slower for 100 kB
 messages (above the eager limit a send needs the sender's progress, which every Test drives).
 """
 from __future__ import annotations
@@ -129,11 +133,12 @@ def child(a) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--messages", type=int, default=400)
+    ap.add_argument("--messages", type=int, default=4000,
+                    help="messages a trial (400 made a raw trial of 100 kB messages ~10 ms: too short to time)")
     ap.add_argument("--responses", type=int, default=24, help="responses a message (TBA's GSM8K S = 1.2 K)")
     ap.add_argument("--tokens", type=int, default=512, help="tokens a response")
     ap.add_argument("--prompt", type=int, default=256, help="prompt tokens")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--one-size", action="store_true", help="skip the embedded task's small messages")
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
