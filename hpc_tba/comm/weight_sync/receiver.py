@@ -138,6 +138,7 @@ class WeightReceiver:
         self._consumed = threading.Event()
         self._workers = None  # EngineSlot: an out-of-process engine's workers receive (serve_engine)
         self._offer_thread: threading.Thread | None = None  # its feed's offers (`_offers`)
+        self._offer_slot = None  # the slot whose offers are decided (None while an engine changes)
         self.accepting = accepting
         """Stream staging: whether a version announced now is loaded (True: the searcher takes it
         at once, between decode steps or while it waits) or skipped (False: the searcher is busy
@@ -287,7 +288,7 @@ class WeightReceiver:
         from hpc_tba.comm.weight_sync.worker_groups import wait_offer
 
         store, k = slot.offers(), 0
-        gone = lambda: self.stopped or self._workers is not slot  # noqa: E731
+        gone = lambda: self.stopped or self._offer_slot is not slot  # noqa: E731
         try:
             while (got := wait_offer(store, k, stop=gone)) is not None:
                 version, flags, missed = got
@@ -443,10 +444,12 @@ class WeightReceiver:
         every engine the searcher builds (a rebuilt one joins a fresh group)."""
         with self._cond:  # a version accepted for the previous engine's workers: gone with them
             old = self._latest
-            if self._workers is not None and isinstance(old, StreamedWeights):
-                self._latest = None
-                self.skipped_versions.append(old.version)
-                old.tensors().abandon()
+            if self._workers is not None:
+                self._offer_slot = None  # the old engine's offers thread accepts nothing more
+                if isinstance(old, StreamedWeights):
+                    self._latest = None
+                    self.skipped_versions.append(old.version)
+                    old.tensors().abandon()
         join = getattr(engine, "join_weight_sync", None)
         if join is None or getattr(engine, "in_process", True):
             with self._cond:
@@ -457,7 +460,7 @@ class WeightReceiver:
         slot = register_engine(self.group, tp=engine.cfg.tensor_parallel_size)
         join(slot, self.manifest)
         with self._cond:
-            self._workers = slot
+            self._workers = self._offer_slot = slot
             self.staging = "stream"  # what the workers do: the searcher's windows apply
         self._offer_thread = threading.Thread(target=self._offers, args=(slot,), daemon=True,
                                               name="engine-weight-offers")
