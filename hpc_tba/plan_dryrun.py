@@ -6,7 +6,9 @@ the plan is wrong exactly where it matters. The dry run builds the real model on
 (shapes and dtypes, no storage: a 70B model in a second) and runs on it the code the roles run:
 
 - the weight-sync manifest (`Manifest.build` with the learner's arguments) and the sender's two
-  staging slots (`WeightSender` allocates them on the model's device, meta here);
+  staging slots (`WeightSender` allocates them on the model's device, meta here); with
+  out-of-process engines, its held copies (`HeldVersions.alloc`) and, on GPUs, each feed's two
+  device pieces (`feeds.device_pieces`);
 - the learner's micro-batch split (`roles.microbatch.plan`) of a worst-case step (G x K sequences
   of max_model_len tokens) and its packing (`roles.policy.pack`) of each micro-batch;
 - the receiver's staging (`staging_bytes`, `resolve_staging`: auto is stream; nothing out of
@@ -95,10 +97,20 @@ def _manifest(plan: Plan, cfg: RunConfig, model) -> object:
     _check(plan, "weight-sync bytes per version", sum(plan.buckets), manifest.total_bytes, "GiB")
     _check(plan, "weight-sync buckets", len(plan.buckets), len(sizes))
     _check(plan, "largest bucket", max(plan.buckets), max(sizes), "GiB")
-    sender = WeightSender(model, manifest, None, device="meta")
+    sender = WeightSender(model, manifest, None, device="meta", versions_held=lr.sync_versions_held)
     sender._free_slot(0, 0)  # allocates both staging slots, as the first send does
     slots = sum(s.numel() * s.element_size() for s in sender._slots)
     _check(plan, "sender staging slots (learner rank 0)", plan.terms["send_slots"], slots, "GiB")
+    if plan.terms.get("held_versions"):  # out-of-process engines: the feeds' held copies
+        from hpc_tba.comm.weight_sync.feeds import device_pieces
+
+        for i in range(sender.held.count):
+            sender.held.alloc(i)  # what each version's `begin` allocates at its first use
+        _check(plan, "held versions (learner rank 0's node, host)", plan.terms["held_versions"],
+               sender.held.allocated_bytes, "GiB")
+        per_feed = sum(t.numel() * t.element_size() for t in device_pieces(manifest, "meta"))
+        _check(plan, "feed device pieces (learner rank 0)", plan.terms["feed_buckets"],
+               per_feed * cfg.cluster.num_searchers * bool(cfg.cluster.gpus_per_node), "GiB")
     return manifest
 
 

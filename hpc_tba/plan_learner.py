@@ -122,6 +122,7 @@ def learner_rows(plan: Plan, cfg: RunConfig, spec: ModelSpec, gpus: int, capacit
     # learner rank 0 gathers into two flat slots of the largest bucket (WeightSender)
     total += plan.row("weight-sync send slots (rank 0)", 2 * max(plan.buckets) * (c.num_searchers > 0),
                       f"2 x the largest bucket (learner.sync_bucket_mb {lr.sync_bucket_mb:g})", key="send_slots")
+    total += _feed_rows(plan, cfg, gpus)
     plan.learner_gib = total / GiB
     if gpus:
         plan.lines.append(f"    {'total':<44} {total / GiB:9.2f} GiB  of {capacity / GiB:.2f} "
@@ -130,6 +131,12 @@ def learner_rows(plan: Plan, cfg: RunConfig, spec: ModelSpec, gpus: int, capacit
             plan.problems.append(_learner_refusal(plan, cfg, spec, total, capacity))
     pb, ob = DTYPE_BYTES[lr.dtype], 12 if lr.dtype == "bf16" else 8
     per_rank = (ob * lr.offload_optimizer + 2 * pb * lr.offload_params) * spec.params / n
+    held = plan.terms["held_versions"]
+    if held and c.cpu_memory_gb and per_rank * max(gpus, 1) + held > c.cpu_memory_gb * 1e9 * usable:
+        plan.problems.append(f"learner rank 0's node needs {(per_rank * max(gpus, 1) + held) / GiB:.1f} "
+                             f"GiB of host memory (held versions {held / GiB:.1f} GiB"
+                             f"{', offload' if per_rank else ''}) of {c.cpu_memory_gb:g} GB: lower "
+                             f"learner.sync_versions_held (>= 1) or use bf16 on the wire")
     if per_rank and c.cpu_memory_gb:
         host = per_rank * max(gpus, 1)
         plan.lines.append(f"    host memory per node for offload: {host / GiB:.1f} GiB of "
@@ -138,6 +145,32 @@ def learner_rows(plan: Plan, cfg: RunConfig, spec: ModelSpec, gpus: int, capacit
             plan.problems.append("offloaded optimizer states do not fit in host memory per node")
     if deepspeed:
         _compare_deepspeed(plan, spec, gpus, cfg)
+
+
+def _feed_rows(plan: Plan, cfg: RunConfig, gpus: int) -> int:
+    """Out-of-process engines' feeds on learner rank 0 (comm/weight_sync/feeds.py): the held
+    copies of a version in its node's host memory (`held_bytes`, a line of its own), and on a GPU
+    two device pieces per feed (one feed per searcher; `device_pieces`: a broadcast piece is
+    WIRE_PIECE_BYTES or 1/MAX_PIECES of the largest bucket, at most that bucket), returned for
+    the device total."""
+    c, lr = cfg.cluster, cfg.learner
+    feeds = c.num_searchers if cfg.searcher.engine_process else 0
+    held = lr.sync_versions_held * sum(plan.buckets) * (feeds > 0)
+    plan.terms["held_versions"] = held
+    if not feeds:
+        return 0
+    plan.lines.append(f"    {'weight-sync held versions (rank 0 node, host)':<44} {held / GiB:9.2f} GiB  "
+                      f"learner.sync_versions_held {lr.sync_versions_held} x the version, host memory")
+    from hpc_tba.comm.weight_sync.manifest import MAX_PIECES, WIRE_PIECE_BYTES
+    from hpc_tba.config import resolve_wire_dtype
+
+    item = DTYPE_BYTES[resolve_wire_dtype(lr, cfg.searcher)]
+    largest = max(plan.buckets)
+    piece = min(max(WIRE_PIECE_BYTES // item, -(-largest // item // MAX_PIECES)) * item, largest)
+    dev = 2 * piece * feeds if gpus else 0
+    return plan.row("weight-sync feed pieces (rank 0)", dev,
+                    f"2 x a {piece / 2**20:.0f} MiB piece x {feeds} out-of-process searchers" if gpus
+                    else "(CPU: feeds broadcast the held copies)", key="feed_buckets")
 
 
 def _learner_refusal(plan: Plan, cfg: RunConfig, spec: ModelSpec, total: float, capacity: float) -> str:

@@ -361,7 +361,9 @@ def test_run_survives_sigkill_of_an_engine_process(tmp_path):
     import psutil
     from conftest import HPC_TBA
 
-    steps, run_dir = 80, tmp_path / "run"
+    # long enough for a rebuild (24-70 s on 2 loaded cores) to finish before the learner does: no
+    # searcher paces the learner (learner rank 0's feeds): 80 and 240 steps ended first here
+    steps, run_dir = 800, tmp_path / "run"
     proc = subprocess.Popen(
         [HPC_TBA, "train", "searcher.engine_process=true", f"learner.total_steps={steps}",
          "learner.eval_every=0", "learner.sync_check=true", "buffer.warm_start=100",

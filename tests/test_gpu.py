@@ -406,3 +406,42 @@ def test_engine_restarts_free_the_gpu(tiny_model):
         lost.append((free_before - torch.cuda.mem_get_info()[0]) / 2**30)
     print(json.dumps({"gib_not_returned_after_each_close": lost}))
     assert all(x < 1.0 for x in lost), lost
+
+
+def test_feeds_send_a_gpu_learners_versions_through_device_pieces():
+    """The CUDA branch of learner rank 0's feeds (comm/weight_sync/feeds.py): a learner whose
+    parameters are on the GPU copies each bucket into pinned held copies (device to host, an
+    event per bucket) and the engine's feed broadcasts them through its two device pieces on its
+    own CUDA stream (gloo takes CUDA tensors) to a TP=2 stand-in engine's CPU workers (5 pieces
+    per bucket: both pieces are reused); three versions in order, bit-exact, on one GPU."""
+    import threading
+
+    from conftest import sync_group_pair
+    from test_worker_sync import BUCKET, LAYERS, _assert_loaded, _Engine, _Model, _take_and_load, _teardown
+
+    from hpc_tba.comm.weight_sync import WeightReceiver, WeightSender
+
+    device = _device(0)
+    m = Manifest.build(LAYERS, bucket_bytes=BUCKET, piece_bytes=1000)
+    tx, rx_pg = sync_group_pair()
+    model = _Model().to(device)
+    sender = WeightSender(model, m, tx, device=str(device))
+    rx = WeightReceiver(m, rx_pg, staging="stream")
+    engine = _Engine(LAYERS)
+    rx.serve_engine(engine)
+    try:
+        for version in (1, 2, 3):
+            want = {n: t.cpu() for n, t in model.set(version).items()}
+            learner = threading.Thread(target=sender.send, args=(version,))
+            learner.start()
+            _take_and_load(rx, engine, version)
+            learner.join(timeout=60)
+            _assert_loaded(engine, want)
+        [feed] = sender.engines.feeds()
+        assert feed.sent == [1, 2, 3] and feed.error is None
+        assert sender.held.pin == (device.type == "cuda")
+        if device.type == "cuda":
+            assert [t.device.type for t in feed._dev] == ["cuda", "cuda"]
+            assert all(t.numel() == m.piece_numel for t in feed._dev)
+    finally:
+        _teardown(sender, rx, engine)

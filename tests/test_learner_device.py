@@ -133,7 +133,7 @@ def _worker(rank: int, port: int, tmp: str) -> None:
     learner.sender.group = _Group(audit)
     # no out-of-process engine (worker_groups.EngineGroups needs a TCPStore): the sync group carries the data
     learner.sender.engines = types.SimpleNamespace(refresh=lambda: [0], all_registered=False,
-                                                   groups=lambda: [], failed=lambda i, e: None)
+                                                   groups=lambda: [], feeds=lambda: [])
     with audit:
         learner.train_step(_batch())
         learner._reduce({"a": 1.0, "b": float("nan")})

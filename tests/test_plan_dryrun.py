@@ -18,6 +18,8 @@ CHECKS = ("parameters", "largest layer (export gather)", "weight-sync bytes per 
           "weight-sync buckets", "largest bucket", "sender staging slots (learner rank 0)",
           "resolves to", "receiver staging", "sequences in the largest micro-batch",
           "tokens in the largest micro-batch")
+FEED_CHECKS = ("held versions (learner rank 0's node, host)", "feed device pieces (learner rank 0)")
+"""Out-of-process engines: learner rank 0's feeds (comm/weight_sync/feeds.py)."""
 
 
 def test_70b_dry_run_agrees_with_the_plan_in_seconds(capsys):
@@ -27,7 +29,7 @@ def test_70b_dry_run_agrees_with_the_plan_in_seconds(capsys):
     out = capsys.readouterr().out
     assert "dry run on the meta device (llama config of llama-3.1-70b, bf16)" in out
     rows = [ln for ln in out.splitlines() if " plan " in ln and " code " in ln]
-    for check in CHECKS:
+    for check in CHECKS + FEED_CHECKS:  # TP 4: out-of-process engines, each with its feed
         assert any(check in r and r.endswith("ok") for r in rows), check
     assert "MISMATCH" not in out and out.rstrip().endswith("FITS")
     assert "micro-batches of a worst-case step (1 x 20 sequences of 1024 tokens): 3 x (8, 1024)" in out
@@ -47,12 +49,26 @@ def test_dry_run_agrees_on_other_layouts(overrides):
 
 def test_dry_run_agrees_on_cpu_engine_workers():
     """Out-of-process engines on CPU: the workers' pooled host buffers (engine.worker_sync), the
-    plan's row against the code's bound."""
+    plan's row against the code's bound; learner rank 0's held versions (none on a device)."""
     plan = make_plan(compose(["searcher.engine_process=true"]), DRY)
     assert plan.fits, plan.problems
-    rows = [ln for ln in plan.lines if "engine worker sync buffers (each worker)" in ln]
-    assert len(rows) == 1 and rows[0].endswith("ok"), rows
-    assert sum(" code " in ln for ln in plan.lines) == len(CHECKS) + 1
+    for check in ("engine worker sync buffers (each worker)",) + FEED_CHECKS:
+        rows = [ln for ln in plan.lines if check in ln and " code " in ln]
+        assert len(rows) == 1 and rows[0].endswith("ok"), rows
+    assert sum(" code " in ln for ln in plan.lines) == len(CHECKS) + 1 + len(FEED_CHECKS)
+    assert plan.terms["held_versions"] == 2 * sum(plan.buckets) > 0 and plan.terms["feed_buckets"] == 0
+
+
+def test_held_versions_are_counted_on_learner_rank_0s_node():
+    """learner.sync_versions_held copies of the version, in host memory; refused where the node
+    has too little; and each of the 70B run's 16 feeds two device pieces on rank 0's GPU."""
+    plan = make_plan(compose(["+experiment=tba_70b", "learner.sync_versions_held=3"]), DRY)
+    assert plan.fits, plan.problems
+    assert plan.terms["held_versions"] == 3 * sum(plan.buckets)
+    piece = -(-max(plan.buckets) // 2 // 8) * 2  # bf16: a 2 GiB bucket goes as 8 pieces
+    assert plan.terms["feed_buckets"] == 16 * 2 * piece
+    small = make_plan(compose(["+experiment=tba_70b", "cluster.cpu_memory_gb=256"]), DRY)
+    assert any("held versions" in p for p in small.problems), small.problems
 
 
 def test_a_planner_that_drifts_from_the_code_is_refused(monkeypatch):

@@ -48,6 +48,10 @@ class LearnerConfig:
     sync_wire_dtype: str = "auto"
     """dtype of weights on the wire: auto (the engines' dtype, searcher.dtype), fp32, or bf16
     (half the bytes; what bf16 engines on GPUs run in anyway)."""
+    sync_versions_held: int = 2
+    """Host copies of recent versions learner rank 0 keeps for out-of-process engines' feeds (each
+    engine takes the newest when it is free; the learner never waits for one). >= 1; each is a
+    whole version in host memory on learner rank 0's node (the planner counts them)."""
     eval_every: int = 50
     """Held-out evaluation every this many steps (0: only before and after)."""
     log_every: int = 1
@@ -104,6 +108,9 @@ class LearnerConfig:
         if self.checkpoint_every < 0 or self.checkpoint_interval_s < 0 or self.keep_last < 1:
             raise ValueError("learner.checkpoint_every/checkpoint_interval_s must be >= 0 and "
                              "learner.keep_last >= 1")
+        if self.sync_versions_held < 1:
+            raise ValueError(f"learner.sync_versions_held={self.sync_versions_held} must be >= 1 "
+                             "(host copies of a version that out-of-process engines read)")
         if self.sync_wire_dtype not in ("auto", "fp32", "bf16"):
             raise ValueError(f"learner.sync_wire_dtype={self.sync_wire_dtype!r} must be auto, fp32 or bf16")
         if self.micro_batch_size < 0 or self.logprob_chunk_tokens < 1:

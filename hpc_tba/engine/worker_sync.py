@@ -7,9 +7,10 @@ versions the learner sends straight into its own process, on a thread: at most
 `WORKER_LIVE_BUCKETS` bucket buffers alive (one being loaded, one being received; one more when
 vLLM's layer-wise reload still holds both when it asks for the next: waiting would deadlock),
 each loaded into the worker's shard by `reload_weights(weights_iterator=...)` as soon as it
-arrived. The searcher's process only decides, on the host, whether a version is loaded or drained
-(skipped: the searcher is busy) and asks the workers to load it (`load_version`): it holds no
-weights and, on GPU, opens no CUDA context on the engine's GPUs.
+arrived. The learner's feed for this engine (comm/weight_sync/feeds.py) offers versions at the
+engine's pace; the searcher's process only decides, on the host, whether an offered version is
+loaded or not sent (the searcher is busy) and asks the workers to load it (`load_version`): it
+holds no weights and, on GPU, opens no CUDA context on the engine's GPUs.
 
 On GPU each receive runs on the worker's own CUDA stream and is waited for on the host (the
 stream is synchronized) before the loader sees the bucket; the loader's stream is recorded on
@@ -160,8 +161,9 @@ class CountedBuffers:
 
 class _VersionReceiver(CountedBuffers):
     """A worker's receiving thread: joins the engine group, then for every decision the searcher
-    posts, receives that version's buckets (accepted: handed to the loader, at most
-    WORKER_LIVE_BUCKETS alive) or drains them into one buffer (skipped, or abandoned)."""
+    posts on an offer of the learner's feed, receives that version's buckets (accepted: handed to
+    the loader, at most WORKER_LIVE_BUCKETS alive; abandoned: the rest drained into one buffer);
+    a version declined is not sent."""
 
     def __init__(self, host, port, prefix, rank, size, backend, manifest: Manifest,
                  names: dict, device: torch.device):
@@ -203,6 +205,10 @@ class _VersionReceiver(CountedBuffers):
         broadcast_pieces(self.group, t, self.manifest.piece_numel)
 
     def _version(self, version: int, k: int, accept: bool) -> None:
+        """Receive offer k, `version`, if the searcher accepted it (else the feed sends nothing):
+        bucket by bucket to the loader, or, once abandoned, the rest drained into one buffer."""
+        if not accept:
+            return
         m = self.manifest
         scratch = None
         with self._cond:

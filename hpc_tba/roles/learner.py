@@ -93,7 +93,8 @@ class Learner:
             [(n, tensor_parallel.full_shape(p)) for n, p in self.engine.module.named_parameters()],
             bucket_bytes=int(cfg.sync_bucket_mb * 2**20), wire_dtype=cfg.sync_wire_dtype)
         sender = tensor_parallel.TPWeightSender if self.tp.enabled else WeightSender
-        self.sender = sender(self.engine.module, self.manifest, sync_group, device=self.device)
+        self.sender = sender(self.engine.module, self.manifest, sync_group, device=self.device,
+                             versions_held=cfg.sync_versions_held)
         self.log = RunLogger(run_dir, "learner", enabled=self.is_main, total=cfg.total_steps)
         self.received: dict[int, int] = {}  # searcher rank -> trajectories received
         self.done: dict[int, int] = {}  # searcher rank -> trajectories it says it sent here
@@ -369,6 +370,9 @@ class Learner:
         self.version_time[self.version] = self.timers.elapsed()
         self.shard.mark_sync(self.version)
         dt = time.time() - t0
+        feeds = self.sender.feed_metrics()  # rank 0 only: out-of-process engines' own transfers
+        if feeds:
+            self.log.scalars(self.step, feeds)
         return {"sync/time_s": dt, "sync/bytes": float(sent), "sync/version": float(self.version)}
 
     def probe_logprobs(self) -> np.ndarray:

@@ -196,7 +196,8 @@ class Searcher(ContinuousGeneration):
             with self.timers("wait"):  # a rebuilt engine on the checkpoint's weights: not sampled
                 if self.receiver.wait_for(max(self.receiver.received_versions, default=0) + 1, 0.05):
                     break
-                if self.receiver.stopped:
+                # the learners may be done before a rebuilt engine is back: no version will come
+                if self.receiver.stopped or self.stop_requested():
                     return
         version = self._load_newest()
         self._await_weights = self._await_weights and version is None

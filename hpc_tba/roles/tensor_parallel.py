@@ -172,11 +172,13 @@ class TPWeightSender(WeightSender):
     shapes are the whole parameters' (`full_shape`), so searchers receive what a TP=1 learner
     sends."""
 
-    def __init__(self, module: torch.nn.Module, manifest, group, *, device: str = "cpu"):
-        super().__init__(module, manifest, group, device=device, direct_gather=False)
+    def __init__(self, module: torch.nn.Module, manifest, group, *, device: str = "cpu",
+                 versions_held: int | None = None):
+        extra = {} if versions_held is None else {"versions_held": versions_held}
+        super().__init__(module, manifest, group, device=device, direct_gather=False, **extra)
 
     def _gather(self, params: list[torch.nn.Parameter], slot: int, flat: torch.Tensor, *,
-                pack: bool) -> None:
+                pack: bool, ready=None) -> None:
         with gathered(params):
             off = 0
             for p in params if pack else ():

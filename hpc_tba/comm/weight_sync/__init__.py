@@ -37,8 +37,11 @@ stream loads each bucket into the engine as it arrives (WeightReceiver's docstri
 - `sender.py`: `WeightSender`, the learner side (ZeRO-3 gathers overlapped with broadcasts).
 - `receiver.py`: `WeightReceiver`, the searcher side, and the staging's memory (`staging_bytes`).
 - `worker_groups.py`: out-of-process engines' workers join the broadcast themselves (one engine
-  group per engine on the sync group's store, decisions on the host); engine/worker_sync.py is
-  their end.
+  group per engine on the sync group's store, offers and decisions on the host); engine/worker_sync.py
+  is their end.
+- `feeds.py`: learner rank 0 holds `learner.sync_versions_held` host copies of recent versions and
+  one feed thread per engine group broadcasts the newest to its engine at that engine's pace:
+  `send()` never waits for an out-of-process engine.
 """
 # The package's public names, from the module that defines each (importers use these).
 from hpc_tba.comm.weight_sync.group import (

@@ -137,6 +137,8 @@ class WeightReceiver:
         self._buckets: queue.Queue = queue.Queue()
         self._consumed = threading.Event()
         self._workers = None  # EngineSlot: an out-of-process engine's workers receive (serve_engine)
+        self._offer_thread: threading.Thread | None = None  # its feed's offers (`_offers`)
+        self._offer_slot = None  # the slot whose offers are decided (None while an engine changes)
         self.accepting = accepting
         """Stream staging: whether a version announced now is loaded (True: the searcher takes it
         at once, between decode steps or while it waits) or skipped (False: the searcher is busy
@@ -262,30 +264,53 @@ class WeightReceiver:
             self._announce(version, flags)
 
     def _to_workers(self, version: int, flags: int, on_sync: bool, reaches: bool) -> None:
-        """An out-of-process engine's workers receive the version themselves (worker_groups.py):
-        this process only decides, on the host, whether they load it (the searcher takes it now,
-        as a `WorkerVersion`) or drain it (busy: skipped), and waits until it was loaded. It holds
-        no bucket, except while draining data the learner still sent on the sync group (a version
-        announced before this searcher's engine registered)."""
-        slot = self._workers
-        with self._cond:
-            accept = reaches and self.accepting
-            if reaches:  # first: the workers must be receiving while this process drains (below)
-                k = slot.decide(version, flags, accept)
-            if accept:
-                self._consumed.clear()
-                got = WorkerVersion(version, slot, k, self._consumed)
-                self._latest = StreamedWeights(version, flags, lambda: got)
-                self._announce(version, flags)
-            elif flags & FLAG_EVAL:
-                self._pending_eval.append(version)  # evaluated with the next version loaded
+        """A version's header, to a searcher whose out-of-process engine's workers receive
+        themselves: its data comes through the learner's feed for this engine (`_offers`); here
+        a version that does not reach the engine (no group yet) is skipped, and data the learner
+        still sent on the sync group (in-process searchers share it) is drained into one bucket."""
+        if not reaches:
+            self._skip([(version, flags)])
         if on_sync:
-            self._drain(version, skipped=not accept)
-        elif not accept:
-            with self._cond:
+            self._drain(version, skipped=False)
+
+    def _skip(self, versions: list[tuple[int, int]]) -> None:
+        with self._cond:
+            for version, flags in versions:
                 self.skipped_versions.append(version)
-        if accept:
-            self._consumed.wait()
+                if flags & FLAG_EVAL:
+                    self._pending_eval.append(version)  # evaluated with the next version loaded
+
+    def _offers(self, slot) -> None:
+        """The searcher's end of its engine's feed (thread, one per engine built): for each
+        version offered, decide on the host whether the workers load it (the searcher takes it
+        as a `WorkerVersion`) or not (busy: it is not sent), and wait until it was loaded. The
+        versions the feed skipped (busy with an older one) are counted here."""
+        from hpc_tba.comm.weight_sync.worker_groups import wait_offer
+
+        store, k = slot.offers(), 0
+        gone = lambda: self.stopped or self._offer_slot is not slot  # noqa: E731
+        try:
+            while (got := wait_offer(store, k, stop=gone)) is not None:
+                version, flags, missed = got
+                self._skip(missed)
+                with self._cond:
+                    accept = self.accepting and not gone()
+                    if slot.decide(version, flags, accept) != k:
+                        raise RuntimeError(f"engine weight sync: decision out of step at offer {k}")
+                    if accept:
+                        self._consumed.clear()
+                        wv = WorkerVersion(version, slot, k, self._consumed)
+                        self._latest = StreamedWeights(version, flags, lambda wv=wv: wv)
+                        self._announce(version, flags)
+                if accept:
+                    self._consumed.wait()
+                else:
+                    self._skip([(version, flags)])
+                k += 1
+        except BaseException as e:  # surfaced to the searcher's main loop by take()
+            self.error = e
+            with self._cond:
+                self._cond.notify_all()
 
     def _stream(self, version: int, flags: int) -> None:
         """Stream staging: hand the version out now; receive bucket b once fewer than two buckets
@@ -419,10 +444,12 @@ class WeightReceiver:
         every engine the searcher builds (a rebuilt one joins a fresh group)."""
         with self._cond:  # a version accepted for the previous engine's workers: gone with them
             old = self._latest
-            if self._workers is not None and isinstance(old, StreamedWeights):
-                self._latest = None
-                self.skipped_versions.append(old.version)
-                old.tensors().abandon()
+            if self._workers is not None:
+                self._offer_slot = None  # the old engine's offers thread accepts nothing more
+                if isinstance(old, StreamedWeights):
+                    self._latest = None
+                    self.skipped_versions.append(old.version)
+                    old.tensors().abandon()
         join = getattr(engine, "join_weight_sync", None)
         if join is None or getattr(engine, "in_process", True):
             with self._cond:
@@ -433,8 +460,11 @@ class WeightReceiver:
         slot = register_engine(self.group, tp=engine.cfg.tensor_parallel_size)
         join(slot, self.manifest)
         with self._cond:
-            self._workers = slot
+            self._workers = self._offer_slot = slot
             self.staging = "stream"  # what the workers do: the searcher's windows apply
+        self._offer_thread = threading.Thread(target=self._offers, args=(slot,), daemon=True,
+                                              name="engine-weight-offers")
+        self._offer_thread.start()
 
     def wait_for(self, version: int, timeout: float | None = None) -> bool:
         """Block until a version >= `version` has been received (False on timeout or stop)."""
@@ -446,13 +476,15 @@ class WeightReceiver:
     def join(self, timeout: float | None = None) -> None:
         """Wait for the thread to end (after STOP), draining streamed versions on the way."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        while self._thread.is_alive():
+        while self._thread.is_alive() or (self._offer_thread is not None
+                                          and self._offer_thread.is_alive()):
             if self.staging == "stream":
                 self.drain()
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 return
-            self._thread.join(0.05 if left is None else min(0.05, left))
+            thread = self._thread if self._thread.is_alive() else self._offer_thread
+            thread.join(0.05 if left is None else min(0.05, left))
 
 
 def _views(m: Manifest, flat: torch.Tensor, first: int) -> list[tuple[str, torch.Tensor]]:

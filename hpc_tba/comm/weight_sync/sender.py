@@ -1,5 +1,6 @@
 """Learner side of the weight sync: ZeRO-3 gathers into two alternating staging slots, each bucket
-broadcast while the next one is gathered."""
+broadcast while the next one is gathered; out-of-process engines are fed from held host copies
+(feeds.py)."""
 from __future__ import annotations
 
 import math
@@ -7,6 +8,7 @@ import time
 
 import torch
 
+from hpc_tba.comm.weight_sync.feeds import VERSIONS_HELD, HeldVersions
 from hpc_tba.comm.weight_sync.group import broadcast_async, post_header, stop_receivers, sync_stream
 from hpc_tba.comm.weight_sync.manifest import Manifest
 from hpc_tba.comm.weight_sync.worker_groups import EngineGroups
@@ -24,13 +26,14 @@ class WeightSender:
     secondary partitions, quantized or offloaded shards, `direct_gather=False`) goes through
     `deepspeed.zero.GatheredParameters` and a pack.
 
-    Each bucket goes on the sync group (searchers whose engine runs in their process) and on
-    every joined engine group (out-of-process engines' workers, worker_groups.py); a broadcast to
-    an engine that died drops that engine's group, nothing else.
+    Each bucket goes on the sync group (searchers whose engine runs in their process), and, once
+    any out-of-process engine joined (worker_groups.py), into one of `versions_held` host copies
+    that the engines' feeds broadcast at each engine's own pace (feeds.py): `send` never waits
+    for an engine. A broadcast to an engine that died drops that engine's group, nothing else.
     """
 
     def __init__(self, module: torch.nn.Module, manifest: Manifest, group, *, device: str = "cpu",
-                 direct_gather: bool = True):
+                 direct_gather: bool = True, versions_held: int = VERSIONS_HELD):
         params = dict(module.named_parameters())
         missing = [n for n in manifest.names if n not in params]
         if missing:
@@ -42,8 +45,15 @@ class WeightSender:
         self.direct = direct_gather and all(_shard_gatherable(p, self.device) for p in self.params)
         self._slots: list[torch.Tensor] = []  # two flat staging buffers, kept across syncs
         self._works: list[list] = [[], []]  # (searcher or None, Work) of the broadcasts of each slot
-        self.engines = EngineGroups(group) if group is not None else None
-        """Out-of-process engines' groups (worker_groups.py): their workers receive each bucket."""
+        # room for the zero padding a direct gather spills past a bucket's last parameter
+        self._room = max(_gathered_numel(p) - p.ds_numel for p in self.params) if self.direct else 0
+        self.held = HeldVersions(manifest, versions_held, room=self._room,
+                                 device="meta" if self.device.type == "meta" else "cpu",
+                                 pin=self.device.type == "cuda")
+        """Host copies of recent versions on this node, read by the engines' feeds (feeds.py)."""
+        self.engines = (EngineGroups(group, held=self.held, device=str(self.device))
+                        if group is not None else None)
+        """Out-of-process engines' groups (worker_groups.py), each with its feed."""
         self._scratch: torch.Tensor | None = None  # gathers whose dtype differs from the wire's
         self.last_timing: dict[str, float] = {}
         """Seconds of the last `send` spent gathering+packing, and blocked on broadcasts."""
@@ -54,35 +64,31 @@ class WeightSender:
         Every learner rank joins the gathers (collectives on the learners' group) while rank 0's
         broadcast of the previous bucket is in flight on the sync group. The version is announced
         on the host first (the group's store), so receivers post no receive between syncs.
-        Returns once every broadcast of this version has completed, on the host (with NCCL the
-        stream is synchronized too): `sync/time_s` is the time to completion on both backends.
+        Returns once every broadcast on the sync group has completed, on the host (with NCCL the
+        stream is synchronized too), and the version is held for the engines' feeds, which
+        broadcast it to out-of-process engines in their own threads (not waited for here: their
+        time to completion is `feed_metrics`'s).
         """
         m, root = self.manifest, self.group is not None
-        groups = []
+        groups, h = [], None
         if root:  # [version, flags, buckets, data on the sync group, engine generation per searcher]
             gens = self.engines.refresh()
             on_sync = not self.engines.all_registered
-            groups = ([(None, self.group)] if on_sync else []) + self.engines.groups()
+            groups = [(None, self.group)] if on_sync else []
             post_header(self.group, [version, flags, len(m.buckets), int(on_sync), *gens])
+            if self.engines.feeds():  # the feeds see it from its first written bucket on
+                h = self.held.begin(version, flags)
         sent, t_gather, t_wait = 0, 0.0, 0.0
-        for b, idx in enumerate(m.buckets):
-            t0 = time.perf_counter()
-            # other learner ranks need a slot only as the all-gather's output
-            flat = self._free_slot(b % 2, m.bucket_numel(b)) if root or self.direct else None
-            t1 = time.perf_counter()
-            post = None
-            if root:  # each piece goes as soon as it is gathered: the rest's gather overlaps it
-                whole = self._in_place(idx)
-                post = _Pieces(flat if whole is None else whole, m.piece_numel, self._works[b % 2],
-                               [(i, pg) for i, pg in groups if i is None or self._engine_alive(i)])
-            if root and whole is not None:  # no gather: the bucket goes from where it lies
-                flat = whole
-            else:
-                self._gather([self.params[i] for i in idx], b % 2, flat, pack=root, ready=post)
-            if root:
-                post(flat.numel())
-                sent += flat.numel() * flat.element_size()
-            t_wait, t_gather = t_wait + t1 - t0, t_gather + time.perf_counter() - t1
+        try:
+            for b, idx in enumerate(m.buckets):
+                t0 = time.perf_counter()
+                nbytes, waited = self._bucket(b, idx, groups, h)
+                sent, t_wait = sent + nbytes, t_wait + waited
+                t_gather += time.perf_counter() - t0 - waited
+        except BaseException:
+            if h is not None:
+                self.held.abort(h)
+            raise
         t0 = time.perf_counter()
         if root:
             for slot in range(len(self._works)):
@@ -91,10 +97,58 @@ class WeightSender:
         self.last_timing = {"gather_pack_s": t_gather, "wait_s": t_wait + time.perf_counter() - t0}
         return sent
 
+    def _bucket(self, b: int, idx: tuple[int, ...], groups: list, h: int | None) -> tuple[int, float]:
+        """Gather bucket b (rank 0: post it on `groups`, write it into held copy h); returns its
+        bytes sent and the seconds spent waiting for a free slot."""
+        m, root = self.manifest, self.group is not None
+        numel = m.bucket_numel(b)
+        t0 = time.perf_counter()
+        # other learner ranks need a slot only as the all-gather's output
+        room = self._free_slot(b % 2, None) if root or self.direct else None
+        waited = time.perf_counter() - t0
+        keep = None
+        if h is not None:  # on CPU the gather's output is the held copy itself
+            keep = self.held.region(h, b)
+            if keep.device.type == self.device.type:
+                room = keep
+            keep = keep[:numel]
+        flat = room[:numel] if room is not None else None
+        if not root:
+            self._gather([self.params[i] for i in idx], b % 2, room, pack=False)
+            return 0, waited
+        # each piece goes as soon as it is gathered: the rest's gather overlaps it
+        whole = self._in_place(idx)
+        src = flat if whole is None else whole  # in place: the bucket goes from where it lies
+        post = _Pieces(src, m.piece_numel, self._works[b % 2], groups)
+        if whole is None:
+            self._gather([self.params[i] for i in idx], b % 2, room, pack=True, ready=post)
+        post(src.numel())
+        if keep is not None:
+            event = None
+            if keep.data_ptr() != src.data_ptr():  # in place, or a device slot: copied to host
+                keep.copy_(src, non_blocking=keep.device != src.device)
+                if src.device.type == "cuda":  # CUDA branch (tests/test_gpu.py)
+                    event = torch.cuda.Event()
+                    event.record()
+            self.held.wrote(h, b, event)
+        return src.numel() * src.element_size(), waited
+
+    def feed_metrics(self) -> dict[str, float]:
+        """Out-of-process engines' side of the sync (rank 0, feeds.py): the slowest feed's last
+        transfer to completion, versions the feeds skipped, versions not held (every copy read)."""
+        feeds = self.engines.feeds() if self.engines is not None else []
+        if not feeds:
+            return {}
+        last = [f.times[-1] for f in feeds if f.times]
+        return {"sync/engine_time_s": max(last) if last else 0.0,
+                "sync/engine_versions_skipped": float(sum(f.skipped for f in feeds)),
+                "sync/versions_unheld": float(self.held.unheld)}
+
     def _gather(self, params: list[torch.nn.Parameter], slot: int, flat: torch.Tensor, *,
                 pack: bool, ready=None) -> None:
-        """Gather `params` into `flat` (slot `slot`); `ready(n)` (rank 0) each time flat[:n] holds
-        its final bytes (a parameter's zero padding spills only past n)."""
+        """Gather `params` into `flat` (slot `slot`'s buffer or a held copy from the bucket's
+        start on: room for the zero padding a parameter spills past the bucket); `ready(n)` (rank
+        0) each time flat[:n] holds its final bytes (the padding spills only past n)."""
         if not self.direct:
             import deepspeed
 
@@ -104,7 +158,7 @@ class WeightSender:
             return
         import torch.distributed as dist
 
-        off, whole = 0, self._slots[slot]
+        off, whole = 0, flat
         for p in params:
             shard = p.ds_tensor  # [partition], this rank's piece of the flattened parameter
             world = dist.get_world_size(group=p.ds_process_group)
@@ -160,27 +214,15 @@ class WeightSender:
             end += n
         return torch.empty(0, dtype=m.dtype, device=self.device).set_(storage, start, (end - start,))
 
-    def _engine_alive(self, i: int) -> bool:
-        return any(j == i for j, _ in self.engines.groups())
-
-    def _free_slot(self, slot: int, numel: int) -> torch.Tensor:
-        """Slot `slot` as a flat [numel] buffer, once the broadcasts that last read it are done.
-        A broadcast to an engine whose process died fails: that engine's group is dropped (its
-        rebuilt engine registers again), the sync and every other engine go on."""
+    def _free_slot(self, slot: int, numel: int | None) -> torch.Tensor:
+        """Slot `slot` as a flat [numel] buffer (None: all of it, room for a gather's padding
+        included), once the broadcasts on the sync group that last read it are done."""
         works, self._works[slot] = self._works[slot], []
-        for i, work in works:
-            if i is None:
-                work.wait()
-                continue
-            try:
-                work.wait()
-            except Exception as e:  # noqa: BLE001 - that engine died; the others go on
-                self.engines.failed(i, e)
+        for _, work in works:
+            work.wait()
         if not self._slots:
             m = self.manifest
-            largest = m.largest_bucket_numel
-            if self.direct:  # room for the zero padding of a bucket's last parameter
-                largest += max(_gathered_numel(p) - p.ds_numel for p in self.params)
+            largest = m.largest_bucket_numel + self._room  # room: a bucket's last padding
             self._slots = [torch.empty(largest, dtype=m.dtype, device=self.device) for _ in range(2)]
         return self._slots[slot][:numel]
 
@@ -191,7 +233,9 @@ class WeightSender:
         return self._scratch[:numel]
 
     def stop(self) -> None:
+        """Stop the engines' feeds (each after the version it is sending), then the receivers."""
         if self.group is not None:
+            self.engines.stop()
             stop_receivers(self.group)
 
 

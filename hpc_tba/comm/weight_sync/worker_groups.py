@@ -13,16 +13,20 @@ Rendezvous, all on the host:
   a fresh generation per engine built (a rebuilt engine gets a fresh group; the learners' sync
   group is never touched), and its workers start joining the group in a background thread;
 - learner rank 0 (`EngineGroups.refresh`, at the start of every `send`) sees a new registration,
-  builds its end of that group in a thread (it never waits more than `join_wait_s` for an engine)
-  and names, in the version's header, the generation of every engine group the version goes to;
-- for each version on its group, the searcher posts a decision (`EngineSlot.decide`: key
-  `.../decide/<k>` = "version,flags,accept"): the workers load it (accept) or drain it into one
-  bucket (skip: the searcher is busy with a round); they read it on the host before posting any
-  receive, so no receive is pending on an engine group between syncs either.
+  builds its end of that group in a thread (it never waits more than `join_wait_s` for an engine),
+  starts that group's **feed** (feeds.py: it broadcasts held copies of versions at the engine's
+  pace) and names, in the version's header, the generation of every engine group it feeds;
+- per version the feed sends, it posts an offer (`post_offer`: key `.../offer/<k>` =
+  "version,flags,missed versions and their flags"); the searcher posts its decision
+  (`EngineSlot.decide`: key `.../decide/<k>` = "version,flags,accept"): the workers load it
+  (accept) or nothing is sent (skip: the searcher is busy with a round). Workers and feed read it
+  on the host before any broadcast is posted, so no receive is pending on an engine group between
+  syncs either.
 
-A broadcast to an engine whose process died fails on the learner (gloo: the connection closes);
-the learner drops that group and goes on (`EngineGroups.failed`); the rebuilt engine registers
-again. On NCCL a dead peer is only seen at the group's timeout (GROUP_TIMEOUT_S).
+A broadcast to an engine whose process died fails in its feed (gloo: the connection closes);
+that group and feed are dropped (`EngineGroups.failed`) and the learner never notices; the
+rebuilt engine registers a new generation, which gets a fresh group and feed. On NCCL a dead
+peer is only seen at the group's timeout (GROUP_TIMEOUT_S).
 """
 from __future__ import annotations
 
@@ -37,6 +41,7 @@ from hpc_tba.comm.weight_sync.group import GROUP_TIMEOUT_S, _store_of, drop_read
 _REG = "hpc_tba/engines/{}"
 _GEN = "hpc_tba/engines/{}/generations"
 _PREFIX = "hpc_tba/engines/{}/{}"  # a PrefixStore adds the "/"
+_OFFER = "offer/{}"
 _DECIDE = "decide/{}"
 _DECIDE_READ = "decide_read/{}"
 _ABANDON = "abandon/{}"
@@ -90,14 +95,24 @@ class EngineSlot:
         return {"host": self.host, "port": self.port, "prefix": self.prefix,
                 "size": 1 + self.tp, "backend": self.backend}
 
+    def offers(self):
+        """A store client of this engine group's own (under its prefix), for the thread that waits
+        for the feed's offers (a client serializes its operations: `decide` and `abandon` go on
+        `self.store` meanwhile)."""
+        import torch.distributed as dist
+
+        return dist.PrefixStore(self.prefix, _client(self.store))
+
     def decide(self, version: int, flags: int, accept: bool) -> int:
-        """Tell the workers whether to load (accept) or drain this version; returns its number k.
+        """Tell the workers (and the learner's feed) whether the version offered k-th is loaded
+        (accept) or not sent at all (skip: the searcher is busy); returns k.
         A decision's key goes once every worker has read it (each counts itself): that a
         version's broadcasts completed on the learner does not mean every worker read its
         decision (gloo's sends complete once buffered)."""
         k, self._k = self._k, self._k + 1
         self.store.set(f"{self.prefix}/{_DECIDE.format(k)}", f"{version},{flags},{int(accept)}")
-        self._oldest = drop_read_keys(self.store, self._oldest, k, self.tp,
+        # read by every worker and by the learner's feed
+        self._oldest = drop_read_keys(self.store, self._oldest, k, self.tp + 1,
                                       lambda i: f"{self.prefix}/{_DECIDE.format(i)}",
                                       lambda i: f"{self.prefix}/{_DECIDE_READ.format(i)}")
         return k
@@ -128,21 +143,51 @@ def join_store(host: str, port: int, prefix: str, timeout_s: float = GROUP_TIMEO
     return dist.PrefixStore(prefix, base), base
 
 
-def wait_decision(store, k: int, *, poll_s: float = 1.0, stop=None) -> tuple[int, int, bool] | None:
-    """Worker side: block on the host until decision k is posted (None once `stop()` is true)."""
-    key = _DECIDE.format(k)
+def _wait_key(store, key: str, poll_s: float, stop) -> bool:
+    """Block on the host until `key` is set (True), polling `stop()` every `poll_s` (False)."""
     while True:
         try:
             store.wait([key], datetime.timedelta(seconds=poll_s))
-            break
+            return True
         except torch.distributed.DistStoreError as e:
             if "timeout" not in str(e):
                 raise
             if stop is not None and stop():
-                return None
+                return False
+
+
+def wait_decision(store, k: int, *, poll_s: float = 1.0, stop=None) -> tuple[int, int, bool] | None:
+    """A worker, or the learner's feed: block on the host until decision k is posted (None once
+    `stop()` is true)."""
+    key = _DECIDE.format(k)
+    if not _wait_key(store, key, poll_s, stop):
+        return None
     version, flags, accept = (int(x) for x in store.get(key).decode().split(","))
     store.add(_DECIDE_READ.format(k), 1)  # read: the searcher may drop the key
     return version, flags, bool(accept)
+
+
+def post_offer(store, k: int, version: int, flags: int, missed: list[tuple[int, int]]) -> None:
+    """Learner rank 0's feed: offer k is `version` (`flags`); `missed`: (version, flags) of every
+    version sent since its last offer that this engine never gets (the feed was busy)."""
+    ints = [version, flags] + [x for vf in missed for x in vf]
+    store.set(_OFFER.format(k), ",".join(str(int(x)) for x in ints))
+
+
+def wait_offer(store, k: int, *, poll_s: float = 1.0, stop=None
+               ) -> tuple[int, int, list[tuple[int, int]]] | None:
+    """The searcher: block on the host until offer k is posted (None once `stop()` is true);
+    returns (version, flags, missed). The feed deletes the key once the decision is read."""
+    key = _OFFER.format(k)
+    if not _wait_key(store, key, poll_s, stop):
+        return None
+    ints = [int(x) for x in store.get(key).decode().split(",")]
+    return ints[0], ints[1], list(zip(ints[2::2], ints[3::2]))
+
+
+def drop_offer(store, k: int) -> None:
+    """The feed, once it read decision k (the searcher read offer k before deciding)."""
+    store.delete_key(_OFFER.format(k))
 
 
 def abandoned(store, k: int) -> bool:
@@ -151,20 +196,27 @@ def abandoned(store, k: int) -> bool:
 
 class EngineGroups:
     """Learner rank 0's end of every engine group: one per searcher whose engine registered,
-    replaced when that engine is rebuilt (a new generation)."""
+    replaced when that engine is rebuilt (a new generation), each with its feed (feeds.py) that
+    broadcasts the versions `held` keeps. `device`: where the learner's parameters live."""
 
-    def __init__(self, pg, *, join_wait_s: float = JOIN_WAIT_S):
+    def __init__(self, pg, *, held=None, device: str = "cpu", join_wait_s: float = JOIN_WAIT_S):
         self.pg, self.store = pg, _client(_store_of(pg)[0])
         self.searchers = pg.size() - 1
         self.backend = _backend(pg)
+        self.held, self.device = held, device
         self.join_wait_s = join_wait_s
+        self._lock = threading.Lock()  # feeds report failures from their threads
         self._groups: dict[int, tuple[int, object]] = {}  # searcher -> (gen, group)
+        self._feeds: dict[int, object] = {}  # searcher -> its group's Feed
         self._building: dict[int, tuple[int, threading.Thread, dict]] = {}  # groups being joined
+        self._dead: set[tuple[int, int]] = set()  # (searcher, gen) whose broadcast failed
         self.registered: set[int] = set()
         self.failures: list[str] = []
 
     def refresh(self) -> list[int]:
-        """The generation of each searcher's engine group this version goes to (-1: none)."""
+        """The generation of each searcher's engine group this version goes to (-1: none); a
+        group joined since the last call gets its feed, which considers versions from the next
+        one `held` logs on."""
         for i in range(self.searchers):
             key = _REG.format(i)
             if not self.store.check([key]):
@@ -172,7 +224,8 @@ class EngineGroups:
             self.registered.add(i)
             gen, tp = (int(x) for x in self.store.get(key).decode().split(","))
             have = self._groups.get(i, (-1, None))[0]
-            if gen > have and self._building.get(i, (-1,))[0] != gen:
+            if (gen > have and (i, gen) not in self._dead
+                    and self._building.get(i, (-1,))[0] != gen):
                 self._start(i, gen, tp)
         for i, (gen, thread, out) in list(self._building.items()):
             thread.join(max(0.0, out["deadline"] - time.monotonic()))  # once: at most join_wait_s
@@ -180,10 +233,28 @@ class EngineGroups:
                 continue  # still joining: a later version reaches it
             del self._building[i]
             if "pg" in out:
-                self._groups[i] = (gen, out["pg"])
+                self._joined(i, gen, out["pg"])
             else:
                 self.failures.append(f"searcher {i} engine group {gen}: {out.get('error')}")
-        return [self._groups[i][0] if i in self._groups else -1 for i in range(self.searchers)]
+        with self._lock:
+            return [self._groups[i][0] if i in self._groups else -1 for i in range(self.searchers)]
+
+    def _joined(self, i: int, gen: int, pg) -> None:
+        import torch.distributed as dist
+
+        from hpc_tba.comm.weight_sync.feeds import Feed
+
+        feed = None
+        if self.held is not None:  # its own store client: it blocks on the searcher's decisions
+            store = dist.PrefixStore(_PREFIX.format(i, gen), _client(self.store))
+            feed = Feed(i, gen, pg, store, self.held, device=self.device, on_failure=self._failed)
+        with self._lock:
+            self._groups[i] = (gen, pg)
+            old = self._feeds.pop(i, None)
+            if feed is not None:
+                self._feeds[i] = feed
+        if old is not None:  # the previous engine's: it ends at its next poll or failed send
+            old._stop = True
 
     def _start(self, i: int, gen: int, tp: int) -> None:
         import torch.distributed as dist
@@ -203,19 +274,45 @@ class EngineGroups:
 
     def groups(self) -> list[tuple[int, object]]:
         """(searcher, group) of every engine group that is joined."""
-        return [(i, pg) for i, (_, pg) in sorted(self._groups.items())]
+        with self._lock:
+            return [(i, pg) for i, (_, pg) in sorted(self._groups.items())]
+
+    def feeds(self) -> list:
+        """The feed of every joined engine group."""
+        with self._lock:
+            return [f for _, f in sorted(self._feeds.items())]
 
     @property
     def all_registered(self) -> bool:
         """Every searcher's engine is out of process: the sync group carries no data."""
         return len(self.registered) == self.searchers
 
+    def _failed(self, feed, error: BaseException) -> None:
+        """A feed's broadcast failed: its engine died."""
+        with self._lock:
+            if self._feeds.get(feed.index) is not feed:
+                return  # already replaced by a rebuilt engine's
+        self.failed(feed.index, error)
+
     def failed(self, i: int, error: BaseException) -> None:
-        """A broadcast to searcher i's engine failed (its process died): drop the group."""
-        gen, pg = self._groups.pop(i, (-1, None))
+        """A broadcast to searcher i's engine failed (its process died): drop the group (the
+        rebuilt engine registers a new generation, which gets a fresh group and feed)."""
+        with self._lock:
+            gen, pg = self._groups.pop(i, (-1, None))
+            feed = self._feeds.pop(i, None)
+            self._dead.add((i, gen))
+        if feed is not None:
+            feed._stop = True
         self.failures.append(f"searcher {i} engine group {gen}: {type(error).__name__}: {error}")
         if pg is not None:
             try:
                 pg.abort()
             except Exception:  # noqa: BLE001 - an already broken group
                 pass
+
+    def stop(self) -> None:
+        """Stop every feed (each after the version it is broadcasting, if any)."""
+        for feed in self.feeds():
+            feed._stop = True
+        for feed in self.feeds():
+            feed.stop()
