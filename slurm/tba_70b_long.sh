@@ -11,6 +11,7 @@
 #SBATCH --ntasks-per-node=8
 #SBATCH --cpus-per-task=17
 #SBATCH --gpus-per-node=8
+#SBATCH --mem=0
 #SBATCH --time=2-00:00:00
 #SBATCH --signal=USR1@1500
 #SBATCH --requeue

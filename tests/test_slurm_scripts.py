@@ -38,6 +38,7 @@ def test_golden_70b():
         "#SBATCH --ntasks-per-node=8",
         "#SBATCH --cpus-per-task=13",  # a TP-4 searcher: 8 threads + engine core + 4 workers
         "#SBATCH --gpus-per-node=8",
+        "#SBATCH --mem=0",  # the feeds' held versions: 262.8 GiB on learner rank 0's node
         "#SBATCH --time=2-00:00:00",
         "#SBATCH --signal=USR1@1500",  # holds a 70B save (hpc-tba plan)
         "#SBATCH --requeue",
@@ -50,6 +51,17 @@ def test_golden_70b():
             "--kill-on-bad-exit=1 \\\n"
             '  "$PYTHON" -m hpc_tba.run +experiment=tba_70b "run_dir=$RUN_DIR" "$@"\n') in text
     assert 'export TORCH_NCCL_ASYNC_ERROR_HANDLING="1"' in text
+
+
+def test_the_node_memory_is_asked_for_where_whole_versions_wait_in_host_memory():
+    """--mem=0 where the plan holds whole versions in host memory (searchers' host staging, or the
+    feeds' held copies for out-of-process engines), and only there."""
+    def mem(*overrides):
+        return "#SBATCH --mem=0" in slurm.sbatch_header(compose(["+experiment=tba_8b", *overrides]), "x")
+
+    assert not mem("searcher.update=in_flight")
+    assert mem("searcher.update=in_flight", "searcher.engine_process=true")
+    assert mem("searcher.update=in_flight", "searcher.staging=host")
 
 
 def test_golden_8b():

@@ -229,12 +229,13 @@ def hostfile_lines(topology: Topology, hosts: Sequence[str]) -> list[str]:
 
 
 def _plans_host_staging(cfg: RunConfig) -> bool:
-    """Whether the searchers may stage weight versions in host memory: staging=host, or auto with
+    """Whether whole weight versions wait in host memory: the searchers' staging=host, or auto with
     between-rounds updates (auto resolves to host when a version does not fit beside vLLM on the
-    GPU, as `hpc-tba plan` prints; in-flight updates stream instead)."""
+    GPU, as `hpc-tba plan` prints; in-flight updates stream instead); or out-of-process engines,
+    whose feeds read `learner.sync_versions_held` copies on learner rank 0's node."""
     s = cfg.searcher
     return cfg.cluster.num_searchers > 0 and (
-        s.staging == "host" or (s.staging == "auto" and s.update != "in_flight"))
+        s.staging == "host" or (s.staging == "auto" and s.update != "in_flight") or s.engine_process)
 
 
 def sbatch_header(cfg: RunConfig, name: str) -> list[str]:
@@ -246,7 +247,7 @@ def sbatch_header(cfg: RunConfig, name: str) -> list[str]:
     if c.gpus_per_node:
         lines.append(f"--gpus-per-node={c.gpus_per_node}")
     if _plans_host_staging(cfg):
-        lines.append("--mem=0")  # host weight staging (a whole version per searcher): the node's memory
+        lines.append("--mem=0")  # whole versions in host memory (searchers' staging, feeds' held copies)
     lines += [f"--time={c.time}", f"--signal=USR1@{c.signal_grace_s}"]
     lines.append("--requeue" if c.requeue else "--no-requeue")
     lines += ["--open-mode=append", "--output=%x-%j.out"]

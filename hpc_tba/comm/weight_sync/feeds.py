@@ -32,7 +32,7 @@ import time
 
 import torch
 
-from hpc_tba.comm.weight_sync.group import broadcast_async
+from hpc_tba.comm.weight_sync.group import broadcast_async, register_host
 from hpc_tba.comm.weight_sync.manifest import Manifest
 
 VERSIONS_HELD = 2
@@ -85,9 +85,7 @@ class HeldVersions:
                 t = torch.empty(self.manifest.numel + self.room, dtype=self.manifest.dtype,
                                 device=self.device)
                 if self.pin:  # GPU learners only (tests/test_gpu.py)
-                    from hpc_tba.comm.weight_sync.receiver import _register_host
-
-                    _register_host(t)
+                    register_host(t)
                 self.bufs[i] = t
                 self.allocated_bytes += t.numel() * t.element_size()
             return self.bufs[i]

@@ -147,3 +147,16 @@ def acknowledge_stop(pg) -> None:
     for every receiver's acknowledgement)."""
     store, seq = _store_of(pg)[:2]
     store.add(f"{_STOPPED_KEY}/{seq - 1}", 1)
+
+
+def register_host(t: torch.Tensor) -> None:
+    """Pin `t`'s memory in place (exactly its bytes; not torch's caching host allocator, which rounds
+    up to a power of two) and unpin it when it is freed. GPU machines only (tools/gpu_check.sh)."""
+    import weakref
+
+    cudart = torch.cuda.cudart()
+    nbytes = t.numel() * t.element_size()
+    err = cudart.cudaHostRegister(t.data_ptr(), nbytes, 0)
+    if int(getattr(err, "value", err)) != 0:
+        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes of host staging failed (error {err})")
+    weakref.finalize(t, cudart.cudaHostUnregister, t.data_ptr())

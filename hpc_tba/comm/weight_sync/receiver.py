@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from hpc_tba.comm.weight_sync.group import acknowledge_stop, broadcast_pieces, wait_header
+from hpc_tba.comm.weight_sync.group import acknowledge_stop, broadcast_pieces, register_host, wait_header
 from hpc_tba.comm.weight_sync.manifest import FLAG_EVAL, FLAG_STOP, Manifest
 
 
@@ -201,7 +201,7 @@ class WeightReceiver:
         t = torch.empty(numel, dtype=self.manifest.dtype, device=device)
         nbytes = t.numel() * t.element_size()
         if pin and nbytes:
-            _register_host(t)
+            register_host(t)
         with self._cond:
             self.staging_now += nbytes
             self._stream_live += stream
@@ -495,14 +495,3 @@ def _views(m: Manifest, flat: torch.Tensor, first: int) -> list[tuple[str, torch
         out.append((name, flat[off: off + n].view(shape)))
         off += n
     return out
-
-
-
-def _register_host(t: torch.Tensor) -> None:
-    """Pin `t`'s memory in place (exactly its bytes) and unpin it when it is freed."""
-    cudart = torch.cuda.cudart()
-    nbytes = t.numel() * t.element_size()
-    err = cudart.cudaHostRegister(t.data_ptr(), nbytes, 0)
-    if int(getattr(err, "value", err)) != 0:
-        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes of host staging failed (error {err})")
-    weakref.finalize(t, cudart.cudaHostUnregister, t.data_ptr())

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from hpc_tba.comm.weight_sync.feeds import VERSIONS_HELD, HeldVersions
+from hpc_tba.comm.weight_sync.feeds import VERSIONS_HELD, Feed, HeldVersions
 from hpc_tba.comm.weight_sync.group import broadcast_async, post_header, stop_receivers, sync_stream
 from hpc_tba.comm.weight_sync.manifest import Manifest
 from hpc_tba.comm.weight_sync.worker_groups import EngineGroups
@@ -51,8 +51,7 @@ class WeightSender:
                                  device="meta" if self.device.type == "meta" else "cpu",
                                  pin=self.device.type == "cuda")
         """Host copies of recent versions on this node, read by the engines' feeds (feeds.py)."""
-        self.engines = (EngineGroups(group, held=self.held, device=str(self.device))
-                        if group is not None else None)
+        self.engines = EngineGroups(group, feed=self._feed) if group is not None else None
         """Out-of-process engines' groups (worker_groups.py), each with its feed."""
         self._scratch: torch.Tensor | None = None  # gathers whose dtype differs from the wire's
         self.last_timing: dict[str, float] = {}
@@ -132,6 +131,10 @@ class WeightSender:
                     event.record()
             self.held.wrote(h, b, event)
         return src.numel() * src.element_size(), waited
+
+    def _feed(self, i: int, gen: int, pg, store, on_failure) -> Feed:
+        """The feed of searcher i's engine group (generation `gen`) over this sender's held copies."""
+        return Feed(i, gen, pg, store, self.held, device=str(self.device), on_failure=on_failure)
 
     def feed_metrics(self) -> dict[str, float]:
         """Out-of-process engines' side of the sync (rank 0, feeds.py): the slowest feed's last

@@ -196,14 +196,15 @@ def abandoned(store, k: int) -> bool:
 
 class EngineGroups:
     """Learner rank 0's end of every engine group: one per searcher whose engine registered,
-    replaced when that engine is rebuilt (a new generation), each with its feed (feeds.py) that
-    broadcasts the versions `held` keeps. `device`: where the learner's parameters live."""
+    replaced when that engine is rebuilt (a new generation), each with its feed: `feed(searcher,
+    generation, group, store, on_failure)` starts one (the sender's: feeds.Feed over its held
+    copies; None: no feeds)."""
 
-    def __init__(self, pg, *, held=None, device: str = "cpu", join_wait_s: float = JOIN_WAIT_S):
+    def __init__(self, pg, *, feed=None, join_wait_s: float = JOIN_WAIT_S):
         self.pg, self.store = pg, _client(_store_of(pg)[0])
         self.searchers = pg.size() - 1
         self.backend = _backend(pg)
-        self.held, self.device = held, device
+        self.make_feed = feed
         self.join_wait_s = join_wait_s
         self._lock = threading.Lock()  # feeds report failures from their threads
         self._groups: dict[int, tuple[int, object]] = {}  # searcher -> (gen, group)
@@ -216,7 +217,7 @@ class EngineGroups:
     def refresh(self) -> list[int]:
         """The generation of each searcher's engine group this version goes to (-1: none); a
         group joined since the last call gets its feed, which considers versions from the next
-        one `held` logs on."""
+        one the sender holds on."""
         for i in range(self.searchers):
             key = _REG.format(i)
             if not self.store.check([key]):
@@ -242,12 +243,10 @@ class EngineGroups:
     def _joined(self, i: int, gen: int, pg) -> None:
         import torch.distributed as dist
 
-        from hpc_tba.comm.weight_sync.feeds import Feed
-
         feed = None
-        if self.held is not None:  # its own store client: it blocks on the searcher's decisions
+        if self.make_feed is not None:  # its own store client: it blocks on the searcher's decisions
             store = dist.PrefixStore(_PREFIX.format(i, gen), _client(self.store))
-            feed = Feed(i, gen, pg, store, self.held, device=self.device, on_failure=self._failed)
+            feed = self.make_feed(i, gen, pg, store, self._failed)
         with self._lock:
             self._groups[i] = (gen, pg)
             old = self._feeds.pop(i, None)
