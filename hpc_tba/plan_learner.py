@@ -149,10 +149,9 @@ def learner_rows(plan: Plan, cfg: RunConfig, spec: ModelSpec, gpus: int, capacit
 
 def _feed_rows(plan: Plan, cfg: RunConfig, gpus: int) -> int:
     """Out-of-process engines' feeds on learner rank 0 (comm/weight_sync/feeds.py): the held
-    copies of a version in its node's host memory (`held_bytes`, a line of its own), and on a GPU
-    two device pieces per feed (one feed per searcher; `device_pieces`: a broadcast piece is
-    WIRE_PIECE_BYTES or 1/MAX_PIECES of the largest bucket, at most that bucket), returned for
-    the device total."""
+    copies of a version in its node's host memory (a line of its own), and on a GPU two device
+    pieces per feed (one feed per searcher; `feeds.device_pieces`, the same piece size as the
+    manifest's), returned for the device total."""
     c, lr = cfg.cluster, cfg.learner
     feeds = c.num_searchers if cfg.searcher.engine_process else 0
     held = lr.sync_versions_held * sum(plan.buckets) * (feeds > 0)
@@ -161,12 +160,13 @@ def _feed_rows(plan: Plan, cfg: RunConfig, gpus: int) -> int:
         return 0
     plan.lines.append(f"    {'weight-sync held versions (rank 0 node, host)':<44} {held / GiB:9.2f} GiB  "
                       f"learner.sync_versions_held {lr.sync_versions_held} x the version, host memory")
-    from hpc_tba.comm.weight_sync.manifest import MAX_PIECES, WIRE_PIECE_BYTES
+    from hpc_tba.comm.weight_sync.feeds import device_piece_numel
+    from hpc_tba.comm.weight_sync.manifest import WIRE_PIECE_BYTES, piece_elements
     from hpc_tba.config import resolve_wire_dtype
 
     item = DTYPE_BYTES[resolve_wire_dtype(lr, cfg.searcher)]
-    largest = max(plan.buckets)
-    piece = min(max(WIRE_PIECE_BYTES // item, -(-largest // item // MAX_PIECES)) * item, largest)
+    largest = max(plan.buckets) // item  # elements
+    piece = device_piece_numel(piece_elements(WIRE_PIECE_BYTES, item, largest), largest) * item
     dev = 2 * piece * feeds if gpus else 0
     return plan.row("weight-sync feed pieces (rank 0)", dev,
                     f"2 x a {piece / 2**20:.0f} MiB piece x {feeds} out-of-process searchers" if gpus

@@ -46,12 +46,18 @@ def held_bytes(manifest: Manifest, versions_held: int, room: int = 0) -> int:
     return versions_held * (manifest.numel + room) * manifest.dtype.itemsize
 
 
+def device_piece_numel(piece_numel: int, largest_bucket_numel: int) -> int:
+    """Elements of each of a feed's two device buffers: one broadcast piece, at most the largest
+    bucket (the planner counts with it too)."""
+    return min(piece_numel, largest_bucket_numel)
+
+
 def device_pieces(manifest: Manifest, device) -> list[torch.Tensor]:
     """The two device buffers of one broadcast piece each (`Manifest.piece_numel`, at most the
     largest bucket) a feed allocates when the learner runs on a GPU (the dry run calls it on the
     meta device): pieces, not buckets, because every engine has a feed (16 engines of a 70B run,
     2 GiB buckets: 62 GiB of buckets on learner rank 0's GPU; 8 GiB of pieces)."""
-    numel = min(manifest.piece_numel, manifest.largest_bucket_numel)
+    numel = device_piece_numel(manifest.piece_numel, manifest.largest_bucket_numel)
     return [torch.empty(numel, dtype=manifest.dtype, device=device) for _ in range(2)]
 
 

@@ -43,6 +43,12 @@ goes as 8 pieces of 64 MiB, not 32 of 16 MiB); the gather exposed before a bucke
 piece goes is at most 1/MAX_PIECES of it."""
 
 
+def piece_elements(piece_bytes: int, itemsize: int, largest_bucket_numel: int) -> int:
+    """Elements of one broadcast piece (`Manifest.piece_numel`; the planner counts with it too):
+    `piece_bytes`, or more where the largest bucket would otherwise take more than MAX_PIECES."""
+    return max(1, piece_bytes // itemsize, -(-largest_bucket_numel // MAX_PIECES))
+
+
 @dataclasses.dataclass(frozen=True)
 class Manifest:
     """Parameter names and shapes in broadcast order, grouped into buckets, and the wire dtype."""
@@ -104,8 +110,7 @@ class Manifest:
         """Most elements of one broadcast: every bucket travels as consecutive pieces of this many
         elements (the last one shorter), on the sender and every receiver alike: `piece_bytes`,
         or more where the largest bucket would otherwise take more than MAX_PIECES."""
-        return max(1, self.piece_bytes // self.dtype.itemsize,
-                   -(-self.largest_bucket_numel // MAX_PIECES))
+        return piece_elements(self.piece_bytes, self.dtype.itemsize, self.largest_bucket_numel)
 
     def bucket_numel(self, b: int) -> int:
         return sum(math.prod(self.shapes[i]) for i in self.buckets[b])
