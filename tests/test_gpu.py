@@ -431,6 +431,7 @@ def test_feeds_send_a_gpu_learners_versions_through_device_pieces():
     rx.serve_engine(engine)
     try:
         for version in (1, 2, 3):
+            sender.before_update()
             want = {n: t.cpu() for n, t in model.set(version).items()}
             learner = threading.Thread(target=sender.send, args=(version,))
             learner.start()

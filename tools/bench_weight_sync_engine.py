@@ -133,8 +133,10 @@ def _engine_worker(rank: int, args, ports: list[int], shapes, bucket: int, out) 
         model = _Flat(shapes)
         sender = WeightSender(model, m, sync)
     _barrier(ctl)
-    times, peaks = [], []
+    times, peaks, copied = [], [], 0
     for r in range(WARMUP + args.repeats):
+        if rank == 0:  # the learner's step between syncs: the held copy gives back what it borrowed
+            copied += sender.before_update()  # (copy on write: what the feed has not sent yet)
         _barrier(ctl)
         t0 = time.perf_counter()
         if rank == 0:
@@ -179,8 +181,10 @@ def _engine_worker(rank: int, args, ports: list[int], shapes, bucket: int, out) 
             raws_sync.append(time.perf_counter() - t0)
     if rank == 0:
         sender.stop()
+        copied += sender.before_update()
         out.put(("times", statistics.median(times), statistics.median(raws),
-                 statistics.median(raws_sync), len(m.buckets), statistics.median(raws_cut)))
+                 statistics.median(raws_sync), len(m.buckets), statistics.median(raws_cut),
+                 copied, WARMUP + args.repeats))
     else:
         rx.join(timeout=60)
         out.put(("peak", max(peaks) / (m.largest_bucket_numel * 4), rx.peak_staging_bytes))
@@ -237,12 +241,13 @@ def engine_process_rows(args, mb: float) -> None:
     while not out.empty():
         item = out.get()
         got[item[0]] = item[1:]
-    sync_s, raw_s, raw_sync_s, nb, raw_cut_s = got["times"]
+    sync_s, raw_s, raw_sync_s, nb, raw_cut_s, copied, syncs = got["times"]
     print(f"engine processes (TP=2 stand-in workers in the learner's broadcast, fp32): "
           f"{total / 1e9:.3f} GB in {nb} buckets of <= {largest / 2**20:.1f} MiB; sync {sync_s:.3f} s "
           f"(learner send -> both workers loaded), raw broadcast on the engine group {raw_s:.3f} s, "
           f"learner -> searcher process {raw_sync_s:.3f} s (medians of {args.repeats}); searcher "
-          f"process staging peak {got['peak'][1]} B")
+          f"process staging peak {got['peak'][1]} B; buckets the learner copied into its held "
+          f"copy before its steps: {copied} of {nb * syncs} sent (the rest lent in place)")
     size = f"({nb} buckets of <= {largest / 2**20:.1f} MiB)"  # the per-message cost depends on it
     print(f"engine-process sync peak/bucket = {got['peak'][0]:.2f} {size}")
     print(f"engine-process sync / raw broadcast = {raw_s / sync_s:.2f} {size}")

@@ -190,6 +190,7 @@ class Learner:
 
     def resume(self, path: str) -> None:
         """Continue from a checkpoint: weights, optimizer, scheduler, RNG, step, buffer RNG."""
+        self.sender.before_update()
         learner_state, shard_state = checkpoint.load(self.engine, path, learner_rank=self.lrank)
         self.shard.load_state_dict(shard_state)
         self.step = self.version = int(learner_state["step"])
@@ -291,6 +292,7 @@ class Learner:
             self.engine.optimizer.zero_grad()  # drop what the micro-batches accumulated
             lm = {}
         else:
+            self.sender.before_update()  # engines' feeds may still read the parameters in place
             self.engine.step()
         dt = time.time() - t0
         names = list(lm)  # one device-to-host copy for every loss metric, not one each

@@ -62,10 +62,20 @@ def device_pieces(manifest: Manifest, device) -> list[torch.Tensor]:
 
 
 class HeldVersions:
-    """Learner rank 0's host copies of recent versions and the log of every version sent.
+    """Learner rank 0's host copies of recent versions and the log of the versions sent.
 
-    The sender (one thread) calls `begin` / `wrote` / `abort`; feeds call `acquire` /
-    `wait_written` / `release`. A copy's `seq` is the index in `log` of the version it holds."""
+    The sender (one thread) calls `begin` / `wrote` / `abort` / `reclaim`; feeds call `acquire` /
+    `take` / `done` / `release` and register in `feeds`. A copy's `seq` is the position in the
+    log of the version it holds.
+
+    **Lent buckets (copy on write).** A bucket that lies in place in host memory (one learner's
+    flat partition, `WeightSender._in_place`) is not copied when it is sent: the copy *lends* it,
+    the feeds broadcast it from the learner's parameters, and `reclaim`, which the learner calls
+    before it next changes them (its optimizer step, a checkpoint load), copies only the lent
+    buckets some feed may still read and waits for the broadcasts in flight from them. A feed that
+    keeps up with the learner has sent the whole version by then: nothing is copied (measured:
+    tools/bench_weight_sync.py). On a GPU learner the in-place buckets are device memory and are
+    copied to the (pinned) host copy as before, a DMA that costs no CPU."""
 
     def __init__(self, manifest: Manifest, count: int, *, room: int = 0, device: str = "cpu",
                  pin: bool = False):
@@ -76,8 +86,17 @@ class HeldVersions:
         self.bufs: list[torch.Tensor | None] = [None] * count
         self.seq, self.written, self.readers = [-1] * count, [0] * count, [0] * count
         self.events: list[list] = [[] for _ in range(count)]  # CUDA: the copy of bucket b done
-        self.log: list[tuple[int, int, bool]] = []  # per send: (version, flags, held)
+        self.lent: list[dict[int, torch.Tensor]] = [{} for _ in range(count)]
+        """Per copy, its lent buckets: views of the learner's parameters, until `reclaim`."""
+        self.partial = [False] * count  # a lent bucket no feed needed was dropped: not acquired again
+        self.feeds: set = set()
+        """Live feeds: their `next` (log position), `reading` (copy), `done` (buckets sent of
+        it) and `borrowed` (broadcasts in flight from lent buckets), all under `cond`."""
+        self._log: list[tuple[int, int, bool]] = []  # (version, flags, held) from position `_base` on
+        self._base = 0
         self.unheld = 0
+        self.reclaimed, self.reclaim_s = 0, 0.0
+        """Buckets the last `reclaim` copied, and its seconds (copies and waits)."""
         self.cond = threading.Condition()
         self.allocated_bytes = 0
         """Bytes of the copies allocated so far (at most `held_bytes`)."""
@@ -96,6 +115,14 @@ class HeldVersions:
                 self.allocated_bytes += t.numel() * t.element_size()
             return self.bufs[i]
 
+    @property
+    def logged(self) -> int:
+        """Versions logged so far (a new feed considers those sent from now on)."""
+        return self._base + len(self._log)
+
+    def _entries(self, start: int, stop: int) -> list[tuple[int, int, bool]]:
+        return self._log[start - self._base: stop - self._base]
+
     # ---------------------------------------------------------------- the sender's side
     def begin(self, version: int, flags: int) -> int | None:
         """Log a version; the copy it is written into (the oldest no feed reads), or None when
@@ -103,25 +130,37 @@ class HeldVersions:
         with self.cond:
             free = [i for i in range(self.count) if self.readers[i] == 0]
             held = bool(free)
-            self.log.append((version, flags, held))
+            self._log.append((version, flags, held))
+            self._trim()
             if not held:
                 self.unheld += 1
                 self.cond.notify_all()
                 return None
             i = min(free, key=lambda j: self.seq[j])
-            self.seq[i], self.written[i], self.events[i] = len(self.log) - 1, 0, []
+            self.seq[i], self.written[i], self.events[i] = self.logged - 1, 0, []
+            self.lent[i], self.partial[i] = {}, False
             self.cond.notify_all()
         self.alloc(i)
         return i
+
+    def _trim(self) -> None:
+        """Forget log entries no feed will read (one per sync otherwise, for the whole run)."""
+        keep = min([f.next for f in self.feeds] + [self.logged - 1])
+        if keep > self._base:
+            del self._log[: keep - self._base]
+            self._base = keep
 
     def region(self, i: int, b: int) -> torch.Tensor:
         """Copy i from bucket b's start to its end (room for a gather's padding included)."""
         return self.alloc(i)[self.manifest.bucket_starts[b]:]
 
-    def wrote(self, i: int, b: int, event=None) -> None:
-        """Bucket b of copy i holds its bytes (on a GPU learner: once `event` has completed)."""
+    def wrote(self, i: int, b: int, event=None, *, lent: torch.Tensor | None = None) -> None:
+        """Bucket b of copy i holds its bytes (on a GPU learner: once `event` has completed), or
+        is `lent`: read where it lies until `reclaim`."""
         with self.cond:
             self.events[i].append(event)
+            if lent is not None:
+                self.lent[i][b] = lent
             self.written[i] = b + 1
             self.cond.notify_all()
 
@@ -131,34 +170,96 @@ class HeldVersions:
             self.written[i] = -1
             self.cond.notify_all()
 
+    def reclaim(self) -> int:
+        """Before the learner changes its parameters: copy every lent bucket a feed may still read
+        into its held copy, forget the others, and wait for the broadcasts in flight from lent
+        buckets (at most two buckets a feed). Returns the buckets copied."""
+        t0 = time.perf_counter()
+        todo = []
+        with self.cond:
+            for i in range(self.count):
+                for b in list(self.lent[i]):
+                    if any(self._needs(f, i, b) for f in self.feeds):
+                        todo.append((i, b, self.lent[i][b]))
+                    else:
+                        del self.lent[i][b]
+                        self.partial[i] = True
+        starts = self.manifest.bucket_starts
+        for i, b, view in todo:  # reading it beside a feed's broadcast of it is fine
+            self.alloc(i)[starts[b]: starts[b] + view.numel()].copy_(view)
+            with self.cond:
+                del self.lent[i][b]  # the feeds read the copy from here on
+        with self.cond:
+            while any(f.borrowed for f in self.feeds):
+                self.cond.wait(0.2)
+        self.reclaimed, self.reclaim_s = len(todo), time.perf_counter() - t0
+        return len(todo)
+
+    def _needs(self, feed, i: int, b: int) -> bool:
+        """Whether `feed` may still read bucket b of copy i (under the lock)."""
+        if feed.reading == i:
+            return feed.done <= b
+        return feed.next <= self.seq[i]
+
     # ---------------------------------------------------------------- the feeds' side
-    def acquire(self, first: int, stop) -> tuple[int, int] | None:
-        """(copy, seq) of the newest held version whose seq >= `first`, now read by the caller
-        (it may still be being written); blocks until there is one, None once `stop()`."""
+    def acquire(self, feed, stop) -> tuple[int, int, int, list] | None:
+        """(copy, version, flags, skipped [(version, flags)]) of the newest held version at or
+        after `feed.next`, now read by `feed` (it may still be being written); blocks until there
+        is one, None once `stop()`."""
         with self.cond:
             while not stop():
-                ok = [i for i in range(self.count) if self.seq[i] >= first and self.written[i] >= 0]
+                ok = [i for i in range(self.count)
+                      if self.seq[i] >= feed.next and self.written[i] >= 0 and not self.partial[i]]
                 if ok:
                     i = max(ok, key=lambda j: self.seq[j])
+                    version, flags, _ = self._entries(self.seq[i], self.seq[i] + 1)[0]
+                    missed = [(v, f) for v, f, _ in self._entries(feed.next, self.seq[i])]
                     self.readers[i] += 1
-                    return i, self.seq[i]
+                    feed.reading, feed.done, feed.next = i, 0, self.seq[i] + 1
+                    return i, version, flags, missed
                 self.cond.wait(0.2)
             return None
 
-    def wait_written(self, i: int, b: int) -> None:
-        """Block until bucket b of copy i is written (raises if its send failed)."""
+    def take(self, feed, i: int, b: int) -> torch.Tensor:
+        """Bucket b of copy i once it is written (raises if its send failed): a slice of the copy,
+        or the lent parameters themselves (counted in `feed.borrowed` until `done`)."""
         with self.cond:
             while 0 <= self.written[i] <= b:
                 self.cond.wait(0.2)
             if self.written[i] < 0:
                 raise RuntimeError("the learner's send of this version failed")
-            event = self.events[i][b]
+            event, part = self.events[i][b], self.lent[i].get(b)
+            if part is not None:
+                feed.borrowed += 1
         if event is not None:  # GPU learner: the device-to-host copy of bucket b
             event.synchronize()
+        if part is None:
+            starts = self.manifest.bucket_starts
+            part = self.alloc(i)[starts[b]: starts[b + 1]]
+        return part
 
-    def release(self, i: int) -> None:
+    def done(self, feed, buckets: int, returned: int) -> None:
+        """`feed`'s broadcasts of its copy's first `buckets` buckets have completed, `returned` of
+        them from lent buckets."""
+        with self.cond:
+            feed.done, feed.borrowed = buckets, feed.borrowed - returned
+            self.cond.notify_all()
+
+    def release(self, feed, i: int) -> None:
         with self.cond:
             self.readers[i] -= 1
+            feed.reading = None
+            self.cond.notify_all()
+
+    def join(self, feed) -> None:
+        """Register a new feed: it considers the versions sent from now on."""
+        with self.cond:
+            feed.next, feed.reading, feed.done, feed.borrowed = self.logged, None, 0, 0
+            self.feeds.add(feed)
+
+    def leave(self, feed) -> None:
+        with self.cond:
+            self.feeds.discard(feed)
             self.cond.notify_all()
 
 
@@ -171,8 +272,9 @@ class Feed:
                  on_failure):
         self.index, self.gen, self.pg, self.store, self.held = index, gen, pg, store, held
         self.device, self.on_failure = torch.device(device), on_failure
-        with held.cond:
-            self.next = len(held.log)  # the first version it considers: the next one sent
+        self.next = self.reading = None  # set by `held.join`, then under its lock
+        self.done = self.borrowed = 0
+        held.join(self)  # the first version it considers: the next one sent
         self.times: list[float] = []
         """Seconds of each accepted version's transfer, to completion on the host."""
         self.sent: list[int] = []
@@ -191,14 +293,12 @@ class Feed:
         k, stop = 0, lambda: self._stop
         try:
             while True:
-                got = self.held.acquire(self.next, stop)
+                got = self.held.acquire(self, stop)
                 if got is None:
                     return
-                i, seq = got
+                i, version, flags, missed = got
                 try:
-                    version, flags, _ = self.held.log[seq]
-                    missed = [(v, f) for v, f, _ in self.held.log[self.next: seq]]
-                    self.next, self.skipped = seq + 1, self.skipped + len(missed)
+                    self.skipped += len(missed)
                     post_offer(self.store, k, version, flags, missed)
                     decision = wait_decision(self.store, k, stop=stop)  # polls stop() every second
                     if decision is None:
@@ -212,39 +312,48 @@ class Feed:
                     else:
                         self.declined += 1
                 finally:
-                    self.held.release(i)
+                    self.held.release(self, i)
                 k += 1
         except BaseException as e:  # noqa: BLE001 - that engine's group is dropped
             self.error = e
             self.on_failure(self, e)
+        finally:
+            self.held.leave(self)
 
     def _broadcast(self, i: int) -> None:
         """Every bucket of copy i, as it is written, on the engine group, as the manifest's
         pieces; the previous bucket's (GPU: piece's) broadcasts are waited for once the next ones
-        are posted, the last ones on the host."""
-        m, starts, piece = self.held.manifest, self.held.manifest.bucket_starts, self.held.manifest.piece_numel
-        buf = self.held.alloc(i)
+        are posted, the last ones on the host. Progress (`held.done`) is told on the host: per
+        bucket on CPU, at the end on a GPU (where a wait only orders the stream)."""
+        m, piece = self.held.manifest, self.held.manifest.piece_numel
         cuda = self.device.type == "cuda"
         if cuda and not self._dev:  # CUDA branch (tests/test_gpu.py): two device pieces
             self._stream = torch.cuda.Stream(self.device)
             self._dev = device_pieces(m, self.device)
         works: list = []
+        lent = 0  # broadcasts in flight from lent buckets (CPU: the last bucket's; GPU: all)
         with torch.cuda.stream(self._stream) if cuda else contextlib.nullcontext():
             for b in range(len(m.buckets)):
-                self.held.wait_written(i, b)
-                part = buf[starts[b]: starts[b + 1]]
+                before = self.borrowed
+                part = self.held.take(self, i, b)
+                now = self.borrowed - before  # 1: part is the learner's parameters
                 pieces = [part[s: s + piece] for s in range(0, part.numel(), piece)]
                 if cuda:
-                    works = self._through_device(pieces, works)
+                    works, lent = self._through_device(pieces, works), lent + now
                     continue
                 new = [broadcast_async(self.pg, p) for p in pieces]
                 for w in works:
                     w.wait()
-                works = new
-            for w in works:
-                w.wait()
-        if cuda:
-            self._stream.synchronize()  # to completion, on the host
+                if b:
+                    self.held.done(self, b, lent)
+                works, lent = new, now
+            try:
+                for w in works:
+                    w.wait()
+            finally:
+                if cuda:
+                    self._stream.synchronize()  # to completion, on the host
+                self.held.done(self, len(m.buckets), lent)
 
     def _through_device(self, pieces: list[torch.Tensor], works: list) -> list:
         """CUDA learner: each host piece copied into device piece j % 2 and broadcast from there,

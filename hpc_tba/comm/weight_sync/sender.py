@@ -29,7 +29,9 @@ class WeightSender:
     Each bucket goes on the sync group (searchers whose engine runs in their process), and, once
     any out-of-process engine joined (worker_groups.py), into one of `versions_held` host copies
     that the engines' feeds broadcast at each engine's own pace (feeds.py): `send` never waits
-    for an engine. A broadcast to an engine that died drops that engine's group, nothing else.
+    for an engine. A bucket in place in host memory is lent to the copy instead of copied: the
+    learner calls `before_update` before it next changes its parameters. A broadcast to an
+    engine that died drops that engine's group, nothing else.
     """
 
     def __init__(self, module: torch.nn.Module, manifest: Manifest, group, *, device: str = "cpu",
@@ -124,13 +126,22 @@ class WeightSender:
         post(src.numel())
         if keep is not None:
             event = None
-            if keep.data_ptr() != src.data_ptr():  # in place, or a device slot: copied to host
-                keep.copy_(src, non_blocking=keep.device != src.device)
-                if src.device.type == "cuda":  # CUDA branch (tests/test_gpu.py)
-                    event = torch.cuda.Event()
-                    event.record()
-            self.held.wrote(h, b, event)
+            if whole is not None and whole.device == keep.device:  # in place in host memory:
+                self.held.wrote(h, b, lent=whole)  # lent until `before_update` (copy on write)
+            else:
+                if keep.data_ptr() != src.data_ptr():  # in place on a GPU, or a device slot
+                    keep.copy_(src, non_blocking=keep.device != src.device)
+                    if src.device.type == "cuda":  # CUDA branch (tests/test_gpu.py)
+                        event = torch.cuda.Event()
+                        event.record()
+                self.held.wrote(h, b, event)
         return src.numel() * src.element_size(), waited
+
+    def before_update(self) -> int:
+        """Call before this learner changes its parameters (optimizer step, checkpoint load): the
+        held copies copy what they borrowed and a feed may still read, and the broadcasts in flight
+        from the parameters finish (`HeldVersions.reclaim`). Returns the buckets copied."""
+        return self.held.reclaim()
 
     def _feed(self, i: int, gen: int, pg, store, on_failure) -> Feed:
         """The feed of searcher i's engine group (generation `gen`) over this sender's held copies."""
@@ -145,7 +156,9 @@ class WeightSender:
         last = [f.times[-1] for f in feeds if f.times]
         return {"sync/engine_time_s": max(last) if last else 0.0,
                 "sync/engine_versions_skipped": float(sum(f.skipped for f in feeds)),
-                "sync/versions_unheld": float(self.held.unheld)}
+                "sync/versions_unheld": float(self.held.unheld),
+                "sync/reclaimed_buckets": float(self.held.reclaimed),
+                "sync/reclaim_s": self.held.reclaim_s}
 
     def _gather(self, params: list[torch.nn.Parameter], slot: int, flat: torch.Tensor, *,
                 pack: bool, ready=None) -> None:
