@@ -152,18 +152,18 @@ def _feed_rows(plan: Plan, cfg: RunConfig, gpus: int) -> int:
     copies of a version in its node's host memory (a line of its own), and on a GPU two device
     pieces per feed (one feed per searcher; `feeds.device_pieces`, the same piece size as the
     manifest's), returned for the device total."""
+    from hpc_tba.comm.weight_sync.feeds import device_piece_numel, held_bytes
+    from hpc_tba.comm.weight_sync.manifest import WIRE_PIECE_BYTES, piece_elements
+    from hpc_tba.config import resolve_wire_dtype
+
     c, lr = cfg.cluster, cfg.learner
     feeds = c.num_searchers if cfg.searcher.engine_process else 0
-    held = lr.sync_versions_held * sum(plan.buckets) * (feeds > 0)
+    held = held_bytes(sum(plan.buckets), lr.sync_versions_held) if feeds else 0
     plan.terms["held_versions"] = held
     if not feeds:
         return 0
     plan.lines.append(f"    {'weight-sync held versions (rank 0 node, host)':<44} {held / GiB:9.2f} GiB  "
                       f"learner.sync_versions_held {lr.sync_versions_held} x the version, host memory")
-    from hpc_tba.comm.weight_sync.feeds import device_piece_numel
-    from hpc_tba.comm.weight_sync.manifest import WIRE_PIECE_BYTES, piece_elements
-    from hpc_tba.config import resolve_wire_dtype
-
     item = DTYPE_BYTES[resolve_wire_dtype(lr, cfg.searcher)]
     largest = max(plan.buckets) // item  # elements
     piece = device_piece_numel(piece_elements(WIRE_PIECE_BYTES, item, largest), largest) * item

@@ -371,8 +371,9 @@ def held_memory_growth(in_place: bool) -> dict:
         sampler.join()
         slots = sum(s.numel() * s.element_size() for s in sender._slots)
         return {"version_bytes": m.total_bytes, "grown": peak[0] - base, "slots": slots,
-                "held": held_bytes(m, sender.held.count), "allocated": sender.held.allocated_bytes,
-                "planned_held": held_bytes(m, sender.held.count, sender._room), "reclaimed": reclaimed}
+                "held": held_bytes(m.total_bytes, sender.held.count),
+                "allocated": sender.held.allocated_bytes, "reclaimed": reclaimed,
+                "planned_held": held_bytes(m.total_bytes, sender.held.count, sender._room * m.dtype.itemsize)}
     finally:
         done.set()
         _teardown(sender, rx, engine)

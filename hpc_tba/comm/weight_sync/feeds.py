@@ -39,11 +39,11 @@ VERSIONS_HELD = 2
 """Default `learner.sync_versions_held`."""
 
 
-def held_bytes(manifest: Manifest, versions_held: int, room: int = 0) -> int:
-    """Host bytes of learner rank 0's held copies (the planner's row): `versions_held` copies of
-    the version, each with `room` elements more for the zero padding a direct ZeRO-3 gather
-    spills past the last parameter (`WeightSender`)."""
-    return versions_held * (manifest.numel + room) * manifest.dtype.itemsize
+def held_bytes(version_bytes: int, versions_held: int, room_bytes: int = 0) -> int:
+    """Host bytes of learner rank 0's held copies (the planner's row, and what `HeldVersions`
+    allocates): `versions_held` copies of the version, each with `room_bytes` more for the zero
+    padding a direct ZeRO-3 gather spills past the last parameter (`WeightSender`)."""
+    return versions_held * (version_bytes + room_bytes)
 
 
 def device_piece_numel(piece_numel: int, largest_bucket_numel: int) -> int:
