@@ -405,10 +405,12 @@ def test_run_survives_sigkill_of_an_engine_process(tmp_path):
 
 
 @pytest.mark.long  # a whole run under mpiexec with an out-of-process engine: minutes on 2 cores
-@pytest.mark.parametrize("staging", ["stream", "host"])
-def test_sync_check_holds_for_an_engine_out_of_process(tmp_path, staging):
+@pytest.mark.parametrize("staging,learners", [("stream", 1), ("host", 1), ("stream", 2)])
+def test_sync_check_holds_for_an_engine_out_of_process(tmp_path, staging, learners):
     """`hpc-tba train searcher.engine_process=true learner.sync_check=true`: after every version
-    it applied, the out-of-process engine's probe log-probs equal the learner's (< 1e-4). A run's
+    it applied, the out-of-process engine's probe log-probs equal the learner's (< 1e-4). One
+    learner: its buckets lie in place, lent to learner rank 0's held copy (copy on write); two:
+    every bucket is gathered into the held copy. A run's
     layout refuses tensor parallelism without GPUs (topology), so TP=2 on CPU is checked at the
     engine: test_out_of_process_engine_matches_transformers_and_the_in_process_engine."""
     import json
@@ -419,12 +421,13 @@ def test_sync_check_holds_for_an_engine_out_of_process(tmp_path, staging):
     run_dir = tmp_path / "run"
     proc = subprocess.run(
         [HPC_TBA, "train", "searcher.engine_process=true", f"searcher.staging={staging}",
-         "cluster.num_searchers=1", "learner.total_steps=12", "learner.eval_every=0",
+         "cluster.num_searchers=1", f"cluster.num_learners={learners}", "learner.total_steps=12",
+         "learner.eval_every=0",
          "learner.sync_check=true", "learner.export_final=false", f"run_dir={run_dir}"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary = json.loads((run_dir / "summary.json").read_text())
-    gaps = summary["sync_logprob_gap"]["1"]
-    print(f"\nout of process, staging={staging}: {len(gaps)} versions applied, max probe gap "
+    [gaps] = summary["sync_logprob_gap"].values()  # the one searcher's (its rank follows the learners)
+    print(f"\nout of process, staging={staging}, {learners} learner(s): {len(gaps)} versions applied, max probe gap "
           f"{max(gaps.values()):.2e}")
     assert len(gaps) >= 2 and max(gaps.values()) < 1e-4, gaps
