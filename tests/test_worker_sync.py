@@ -287,7 +287,7 @@ def test_a_feed_mid_version_sends_the_version_it_began_after_the_learner_updates
     not sent yet and waits for the ones in flight; the parameters then change, and the engine
     still loads the version it began, bit-exact. Once a feed has sent a version, nothing is
     copied."""
-    m, model, sender, rx, engine = _setup(delay_s=0.01)  # 40 buckets x 10 ms a load
+    m, model, sender, rx, engine = _setup(delay_s=0.02)  # 40 buckets x 20 ms a load
     try:
         want = _update(sender, model, 1)
         learner = threading.Thread(target=sender.send, args=(1,))
