@@ -181,7 +181,6 @@ def _engine_worker(rank: int, args, ports: list[int], shapes, bucket: int, out) 
             raws_sync.append(time.perf_counter() - t0)
     if rank == 0:
         sender.stop()
-        copied += sender.before_update()
         out.put(("times", statistics.median(times), statistics.median(raws),
                  statistics.median(raws_sync), len(m.buckets), statistics.median(raws_cut),
                  copied, WARMUP + args.repeats))
