@@ -272,9 +272,7 @@ class Feed:
                  on_failure):
         self.index, self.gen, self.pg, self.store, self.held = index, gen, pg, store, held
         self.device, self.on_failure = torch.device(device), on_failure
-        self.next = self.reading = None  # set by `held.join`, then under its lock
-        self.done = self.borrowed = 0
-        held.join(self)  # the first version it considers: the next one sent
+        held.join(self)  # sets next (the next version sent), reading, done, borrowed: its lock's
         self.times: list[float] = []
         """Seconds of each accepted version's transfer, to completion on the host."""
         self.sent: list[int] = []
@@ -369,10 +367,14 @@ class Feed:
             works = [work]
         return works
 
-    def stop(self, timeout_s: float = 60.0) -> None:
-        """Stop after the version being broadcast, if any (its workers drain what the searcher
-        abandoned)."""
+    def request_stop(self) -> None:
+        """Ask the thread to end after the version being broadcast, if any (its workers drain
+        what the searcher abandoned); a feed waiting for a version wakes at once."""
         self._stop = True
         with self.held.cond:
             self.held.cond.notify_all()
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        """`request_stop`, then wait for the thread."""
+        self.request_stop()
         self._thread.join(timeout_s)

@@ -253,7 +253,7 @@ class EngineGroups:
             if feed is not None:
                 self._feeds[i] = feed
         if old is not None:  # the previous engine's: it ends at its next poll or failed send
-            old._stop = True
+            old.request_stop()
 
     def _start(self, i: int, gen: int, tp: int) -> None:
         import torch.distributed as dist
@@ -301,7 +301,7 @@ class EngineGroups:
             feed = self._feeds.pop(i, None)
             self._dead.add((i, gen))
         if feed is not None:
-            feed._stop = True
+            feed.request_stop()
         self.failures.append(f"searcher {i} engine group {gen}: {type(error).__name__}: {error}")
         if pg is not None:
             try:
@@ -312,6 +312,6 @@ class EngineGroups:
     def stop(self) -> None:
         """Stop every feed (each after the version it is broadcasting, if any)."""
         for feed in self.feeds():
-            feed._stop = True
+            feed.request_stop()
         for feed in self.feeds():
             feed.stop()
