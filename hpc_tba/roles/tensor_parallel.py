@@ -40,6 +40,7 @@ import torch
 
 from hpc_tba.checkpoint import full_shape, gathered, split_layer
 from hpc_tba.comm.weight_sync import WeightSender
+from hpc_tba.comm.weight_sync.feeds import VERSIONS_HELD
 from hpc_tba.roles.parallel import Peers, peer_groups
 
 __all__ = ["COLUMN", "ROW", "TPWeightSender", "build", "check_engine", "check_model", "ds_section",
@@ -173,9 +174,9 @@ class TPWeightSender(WeightSender):
     sends."""
 
     def __init__(self, module: torch.nn.Module, manifest, group, *, device: str = "cpu",
-                 versions_held: int | None = None):
-        extra = {} if versions_held is None else {"versions_held": versions_held}
-        super().__init__(module, manifest, group, device=device, direct_gather=False, **extra)
+                 versions_held: int = VERSIONS_HELD):
+        super().__init__(module, manifest, group, device=device, direct_gather=False,
+                         versions_held=versions_held)
 
     def _gather(self, params: list[torch.nn.Parameter], slot: int, flat: torch.Tensor, *,
                 pack: bool, ready=None) -> None:
