@@ -132,16 +132,16 @@ def learner_rows(plan: Plan, cfg: RunConfig, spec: ModelSpec, gpus: int, capacit
     pb, ob = DTYPE_BYTES[lr.dtype], 12 if lr.dtype == "bf16" else 8
     per_rank = (ob * lr.offload_optimizer + 2 * pb * lr.offload_params) * spec.params / n
     held = plan.terms["held_versions"]
-    if held and c.cpu_memory_gb and per_rank * max(gpus, 1) + held > c.cpu_memory_gb * 1e9 * usable:
+    if held and c.host_memory_gb and per_rank * max(gpus, 1) + held > c.host_memory_gb * 1e9 * usable:
         plan.problems.append(f"learner rank 0's node needs {(per_rank * max(gpus, 1) + held) / GiB:.1f} "
                              f"GiB of host memory (held versions {held / GiB:.1f} GiB"
-                             f"{', offload' if per_rank else ''}) of {c.cpu_memory_gb:g} GB: lower "
+                             f"{', offload' if per_rank else ''}) of {c.host_memory_gb:g} GB: lower "
                              f"learner.sync_versions_held (>= 1) or use bf16 on the wire")
-    if per_rank and c.cpu_memory_gb:
+    if per_rank and c.host_memory_gb:
         host = per_rank * max(gpus, 1)
         plan.lines.append(f"    host memory per node for offload: {host / GiB:.1f} GiB of "
-                          f"{c.cpu_memory_gb * 1e9 / GiB:.1f}")
-        if host > c.cpu_memory_gb * 1e9 * usable:
+                          f"{c.host_memory_gb * 1e9 / GiB:.1f}")
+        if host > c.host_memory_gb * 1e9 * usable:
             plan.problems.append("offloaded optimizer states do not fit in host memory per node")
     if deepspeed:
         _compare_deepspeed(plan, spec, gpus, cfg)

@@ -188,10 +188,10 @@ def _staging(plan: Plan, cfg: RunConfig, spec: ModelSpec, gpus: int) -> None:
             f"stream, a smaller learner.sync_bucket_mb, or lower searcher.gpu_memory_utilization")
     per_node = max(gpus // s.tensor_parallel_size, 1) if gpus else c.num_searchers
     host = (st.host_bytes + (0 if gpus else st.device_bytes + s.tensor_parallel_size * worker)) * per_node
-    if c.cpu_memory_gb and host > c.cpu_memory_gb * 1e9 * USABLE_FRACTION:
+    if c.host_memory_gb and host > c.host_memory_gb * 1e9 * USABLE_FRACTION:
         plan.problems.append(
             f"weight staging needs {host / GiB:.1f} GiB of host memory per searcher node "
-            f"({per_node} searchers) of {c.cpu_memory_gb:g} GB: use searcher.staging=stream")
+            f"({per_node} searchers) of {c.host_memory_gb:g} GB: use searcher.staging=stream")
 
 
 def check_grace(cfg: RunConfig) -> None:

@@ -67,7 +67,7 @@ def test_held_versions_are_counted_on_learner_rank_0s_node():
     assert plan.terms["held_versions"] == 3 * sum(plan.buckets)
     piece = -(-max(plan.buckets) // 2 // 8) * 2  # bf16: a 2 GiB bucket goes as 8 pieces
     assert plan.terms["feed_buckets"] == 16 * 2 * piece
-    small = make_plan(compose(["+experiment=tba_70b", "cluster.cpu_memory_gb=256"]), DRY)
+    small = make_plan(compose(["+experiment=tba_70b", "cluster.host_memory_gb=256"]), DRY)
     assert any("held versions" in p for p in small.problems), small.problems
 
 

@@ -178,7 +178,7 @@ def test_staging_that_cannot_fit_is_refused():
     plan = make_plan(compose(["+experiment=tba_8b", "searcher.staging=device"]), FAST)
     assert not plan.fits
     assert any("searcher.staging=device needs" in p and "staging=host or stream" in p for p in plan.problems)
-    host = make_plan(compose(["+experiment=tba_8b", "searcher.staging=host", "cluster.cpu_memory_gb=64"]), FAST)
+    host = make_plan(compose(["+experiment=tba_8b", "searcher.staging=host", "cluster.host_memory_gb=64"]), FAST)
     assert any("searcher.staging=stream" in p for p in host.problems), host.problems
     assert make_plan(compose(["+experiment=tba_70b", "searcher.staging=device"]), FAST).fits
 

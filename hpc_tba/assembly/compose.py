@@ -135,6 +135,10 @@ def fit_run(cfg: RunConfig) -> None:
         cfg.buffer = dataclasses.replace(cfg.buffer, recency_m=0.0)
 
 
+RENAMED = {"cluster.cpu_memory_gb": "cluster.host_memory_gb"}
+"""Keys an earlier release had, with their names now (a user's old override gets the new name)."""
+
+
 def _check_keys(node, cls, prefix: str, *, algo: type) -> None:
     """Refuse keys the dataclasses do not declare (`+group.key=...` would otherwise be dropped);
     the algo node is checked against the objective's class `algo`."""
@@ -144,6 +148,8 @@ def _check_keys(node, cls, prefix: str, *, algo: type) -> None:
         if key not in fields:
             where = (f" (algo.name={node.get('name')} declares no such field; an objective is selected "
                      "with algo=<name>)") if cls is algo else ""
+            if prefix + str(key) in RENAMED:
+                where = f" (renamed {RENAMED[prefix + str(key)]})"
             raise ValueError(f"unknown config key {prefix + str(key)!r}{where}")
         sub = algo if (cls is RunConfig and key == "algo") else hints.get(key)
         if dataclasses.is_dataclass(sub):

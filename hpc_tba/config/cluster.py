@@ -41,8 +41,16 @@ class ClusterConfig:
     """CPU nodes only: rank slots per node (0: all ranks on one node)."""
     gpu_memory_gb: float = 80.0
     """Memory of one GPU in GB (10^9 bytes), for the planner."""
-    cpu_memory_gb: float = 0.0
-    """Host memory per node in GB for the planner's CPU-offload check (0: not checked)."""
+    host_memory_gb: float = 0.0
+    """Host memory per node in GB (10^9 bytes): `hpc-tba plan` checks every node kind's host
+    bytes against it (0: not checked); `hpc-tba doctor` checks the node's real memory
+    (/proc/meminfo) against the plan at run time either way."""
+    network_gbit_per_s: float = 100.0
+    """Line rate of one network interface between nodes, Gbit/s (InfiniBand NDR: 400; HDR: 200;
+    100 GbE: 100). The planner times cross-node traffic with it; `hpc-tba doctor` compares a
+    measured cross-node all-reduce with it."""
+    nics_per_node: int = 1
+    """Network interfaces per node NCCL spreads traffic over (an 8-GPU node often has 4 or 8)."""
     partition: str = ""
     """Slurm partition (--partition); empty: the site default."""
     account: str = ""
@@ -93,6 +101,9 @@ class ClusterConfig:
         if self.checkpoint_gb_per_s <= 0:
             raise ValueError(f"cluster.checkpoint_gb_per_s={self.checkpoint_gb_per_s} must be > 0 "
                              "(the shared filesystem's write bandwidth in GB/s)")
+        if self.network_gbit_per_s <= 0 or self.nics_per_node < 1:
+            raise ValueError(f"cluster.network_gbit_per_s={self.network_gbit_per_s} must be > 0 and "
+                             f"cluster.nics_per_node={self.nics_per_node} >= 1")
         if self.gpu_memory_gb <= 0:
             raise ValueError(f"cluster.gpu_memory_gb={self.gpu_memory_gb} must be > 0")
 
