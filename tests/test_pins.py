@@ -9,6 +9,7 @@ import runpy
 import subprocess
 import sys
 
+import pytest
 import setuptools
 from packaging.requirements import Requirement
 from packaging.version import Version
@@ -130,3 +131,21 @@ def test_check_is_silenced_by_its_env_var(monkeypatch):
     out = io.StringIO()
     pins.check_installed(_fake({**CPU_BOX, "deepspeed": "0.20.0"}), stream=out)
     assert out.getvalue() == ""
+
+
+@pytest.mark.parametrize("silence", ["", "1"])
+def test_import_hpc_tba_warns_about_a_drifted_package(tmp_path, silence):
+    """The hook in hpc_tba/__init__.py, end to end: a `vllm` 0.33.0 distribution found first on the
+    path (metadata only, nothing to import) is named on stderr by `import hpc_tba`."""
+    dist = tmp_path / "vllm-0.33.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.33.0\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), REPO]), pins.SILENCE_ENV: silence}
+    done = subprocess.run([sys.executable, "-c", "import hpc_tba"], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.startswith("hpc_tba: ")]
+    if silence:
+        assert lines == []
+    else:
+        assert len(lines) == 1 and "vllm 0.33.0 installed, tested with 0.32.0" in lines[0], done.stderr
