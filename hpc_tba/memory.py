@@ -206,6 +206,11 @@ def bucket_sizes(spec: ModelSpec, *, bucket_bytes: int, wire_bytes: int) -> list
     return out + ([size] if size else [])
 
 
+NODE_KINDS = ("learner0", "learner", "searcher")
+"""Kinds of node the planner counts host memory for: learner rank 0's node (it also holds the
+weight sync's held versions), any other learner node, a searcher node."""
+
+
 @dataclasses.dataclass
 class Plan:
     """What `hpc-tba plan` prints; `problems` non-empty means refused."""
@@ -228,6 +233,9 @@ class Plan:
     """searcher.staging with auto resolved."""
     buckets: list[int] = dataclasses.field(default_factory=list)
     """Bytes of each weight-sync bucket on the wire, as the planner counts them."""
+    host_bytes: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Host memory each kind of node needs (keys: NODE_KINDS), what `hpc-tba doctor` checks a
+    node's /proc/meminfo against."""
 
     @property
     def fits(self) -> bool:
