@@ -4,6 +4,7 @@
     hpc-tba plan +experiment=tba_70b      # layout and per-GPU memory before queueing a job
     hpc-tba report RUN_DIR [RUN_DIR ...]  # draw report.png again, or overlay several runs
     hpc-tba status RUN_DIR                # step, version, buffer, checkpoint, pass@1 of a run
+    hpc-tba doctor [overrides]            # preflight of this node (every node, first, in sbatch)
     hpc-tba data {show,hh-rlhf,tldr} ...  # look at / convert a downloaded data set (data_cli)
 
 The terminal shows our own lines only; every rank's third-party output is in
@@ -15,7 +16,7 @@ import os
 import subprocess
 import sys
 
-USAGE = "usage: hpc-tba {train,plan,eval,preprocess,report,status,data} [-v] [hydra overrides ...]"
+USAGE = "usage: hpc-tba {train,plan,doctor,eval,preprocess,report,status,data} [-v] [hydra overrides ...]"
 
 
 def train(overrides: list[str], *, verbose: bool = False) -> int:
@@ -137,6 +138,10 @@ def main(argv: list[str] | None = None) -> int:
             from hpc_tba.planner import plan_main
 
             return plan_main(argv)
+        if cmd == "doctor":
+            from hpc_tba.launcher.doctor import doctor_main
+
+            return doctor_main(argv)
         if cmd == "preprocess":
             return preprocess(argv)
         if cmd == "eval":

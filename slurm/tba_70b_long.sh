@@ -24,7 +24,6 @@ set -euo pipefail
 # its checkpoint, buffer segments and TensorBoard events here and resumes.
 SHARED="${HPC_TBA_SHARED:-$SLURM_SUBMIT_DIR}"
 RUN_DIR="${HPC_TBA_RUN_DIR:-$SHARED/runs/tba_70b_long-$SLURM_JOB_ID}"
-mkdir -p "$RUN_DIR"
 PYTHON="${HPC_TBA_PYTHON:-python}"
 # torch.distributed rendezvous needs no MASTER_ADDR: rank 0 broadcasts it over MPI.
 export OMP_NUM_THREADS="8"
@@ -35,6 +34,13 @@ export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$HOME/.cache/hpc_tba/torch_
 export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
 export TORCH_NCCL_ASYNC_ERROR_HANDLING="1"
 export CUDA_DEVICE_MAX_CONNECTIONS="1"
+
+# Preflight on every node before any rank starts (hpc-tba doctor: GPUs, packages, network,
+# shared and staging space, /dev/shm, host memory against the plan, a cross-node all-reduce).
+# A problem is one line each and the job stops here; the report is $RUN_DIR/doctor.txt.
+srun --mpi=pmi2 --nodes=16 --ntasks=16 --ntasks-per-node=1 --cpus-per-task=17 --kill-on-bad-exit=1 \
+  "$PYTHON" -m hpc_tba.launcher.doctor --shared "$SHARED" +experiment=tba_70b_long "run_dir=$RUN_DIR" "$@"
+mkdir -p "$RUN_DIR"
 
 # Rank placement: node i runs TASKS[i] ranks (learners fill whole nodes first).
 TASKS=(8 8 8 8 8 8 8 8 1 1 1 1 1 1 1 1)

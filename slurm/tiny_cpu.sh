@@ -21,7 +21,6 @@ set -euo pipefail
 # its checkpoint, buffer segments and TensorBoard events here and resumes.
 SHARED="${HPC_TBA_SHARED:-$SLURM_SUBMIT_DIR}"
 RUN_DIR="${HPC_TBA_RUN_DIR:-$SHARED/runs/tiny_cpu-$SLURM_JOB_ID}"
-mkdir -p "$RUN_DIR"
 PYTHON="${HPC_TBA_PYTHON:-python}"
 # torch.distributed rendezvous needs no MASTER_ADDR: rank 0 broadcasts it over MPI.
 export OMP_NUM_THREADS="1"
@@ -30,6 +29,13 @@ export PYTHONUNBUFFERED="1"
 export TOKENIZERS_PARALLELISM="false"
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$HOME/.cache/hpc_tba/torch_extensions}"
 export DS_ACCELERATOR="cpu"
+
+# Preflight on every node before any rank starts (hpc-tba doctor: GPUs, packages, network,
+# shared and staging space, /dev/shm, host memory against the plan, a cross-node all-reduce).
+# A problem is one line each and the job stops here; the report is $RUN_DIR/doctor.txt.
+srun --mpi=pmi2 --nodes=3 --ntasks=3 --ntasks-per-node=1 --cpus-per-task=1 --kill-on-bad-exit=1 \
+  "$PYTHON" -m hpc_tba.launcher.doctor --shared "$SHARED" cluster=slurm_cpu "run_dir=$RUN_DIR" "$@"
+mkdir -p "$RUN_DIR"
 
 # Rank placement: node i runs TASKS[i] ranks (learners fill whole nodes first).
 TASKS=(1 1 1)

@@ -101,7 +101,9 @@ def _processes_named(marker: str) -> list[int]:
 def _probe_python(tmp_path: Path) -> Path:
     (tmp_path / "probe.py").write_text(PROBE)
     wrapper = tmp_path / "python"
-    wrapper.write_text(f"#!/bin/bash\nshift 2  # drop '-m hpc_tba.run'\n"
+    # the script's preflight (`-m hpc_tba.launcher.doctor`) runs for real; only the ranks are probed
+    wrapper.write_text(f"#!/bin/bash\n[[ $2 == hpc_tba.run ]] || exec {sys.executable} \"$@\"\n"
+                       f"shift 2  # drop '-m hpc_tba.run'\n"
                        f"exec {sys.executable} {tmp_path / 'probe.py'} \"$@\"\n")
     wrapper.chmod(0o755)
     return wrapper

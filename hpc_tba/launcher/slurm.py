@@ -296,6 +296,24 @@ def _sh(arg: str) -> str:
     return f'"{arg}"' if "$" in arg else shlex.quote(arg)
 
 
+def doctor_command(cfg: RunConfig, overrides: Sequence[str], *, python: str = "python") -> list[str]:
+    """srun line of the preflight (hpc_tba.launcher.doctor): one task on every node of the job."""
+    c = cfg.cluster
+    return ["srun", f"--mpi={c.mpi}", f"--nodes={c.nodes}", f"--ntasks={c.nodes}", "--ntasks-per-node=1",
+            f"--cpus-per-task={cpus_per_task(cfg)}", "--kill-on-bad-exit=1",
+            python, "-m", "hpc_tba.launcher.doctor", "--shared", "$SHARED", *overrides]
+
+
+def doctor_lines(cfg: RunConfig, overrides: Sequence[str]) -> list[str]:
+    """The script's preflight: `hpc-tba doctor` on every node before any rank starts."""
+    cmd = doctor_command(cfg, [*overrides, "run_dir=$RUN_DIR"], python="$PYTHON")
+    cut = cmd.index("$PYTHON")
+    return ["# Preflight on every node before any rank starts (hpc-tba doctor: GPUs, packages, network,",
+            "# shared and staging space, /dev/shm, host memory against the plan, a cross-node all-reduce).",
+            "# A problem is one line each and the job stops here; the report is $RUN_DIR/doctor.txt.",
+            " ".join(_sh(a) for a in cmd[:cut]) + " \\\n  " + " ".join(_sh(a) for a in cmd[cut:]) + ' "$@"']
+
+
 def sbatch_script(cfg: RunConfig, overrides: Sequence[str], *, name: str) -> str:
     """The full sbatch script for a config composed from `overrides` (golden-tested)."""
     c, topo = cfg.cluster, Topology.for_run(cfg)
@@ -322,11 +340,13 @@ def sbatch_script(cfg: RunConfig, overrides: Sequence[str], *, name: str) -> str
         "# its checkpoint, buffer segments and TensorBoard events here and resumes.",
         'SHARED="${HPC_TBA_SHARED:-' + (c.shared_dir or "$SLURM_SUBMIT_DIR") + '}"',
         f'RUN_DIR="${{HPC_TBA_RUN_DIR:-$SHARED/runs/{name}-$SLURM_JOB_ID}}"',
-        'mkdir -p "$RUN_DIR"',
         'PYTHON="${HPC_TBA_PYTHON:-python}"',
         *setup,
         "# torch.distributed rendezvous needs no MASTER_ADDR: rank 0 broadcasts it over MPI.",
         *env_exports(cfg),
+        "",
+        *doctor_lines(cfg, overrides),
+        'mkdir -p "$RUN_DIR"',
         "",
         "# Rank placement: node i runs TASKS[i] ranks (learners fill whole nodes first).",
         f"TASKS=({' '.join(str(t) for t in topo.tasks_per_node)})",
