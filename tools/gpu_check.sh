@@ -15,7 +15,9 @@
 #    among them the real learner role (tools/role_check.py under mpiexec: Learner.train_step,
 #    WeightSender -> WeightReceiver, checkpoint, export), which needs mpi4py and mpich from .whl/
 #    (their mpiexec lands in $GPU_CHECK_SITE/bin, put on PATH here) and skips without them.
-# Exits with pytest's status (1 if the wheels do not install). Preparing .whl/ (on a machine with
+# 4. Runs `hpc-tba doctor` for a node of a 2-node, 1-GPU-per-node layout (CUDA, NCCL, driver,
+#    /dev/shm, host memory against the plan).
+# Exits with pytest's status, else the doctor's (1 if the wheels do not install). Preparing .whl/ (on a machine with
 # pip's registry; it is ignored by git):
 #   cp ~/.cache/pip/wheels/*/*/*/*/deepspeed-0.19.8-py3-none-any.whl .whl/   # or: pip wheel --no-deps deepspeed==0.19.8
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -93,6 +95,16 @@ for dist, name in [("transformers", "transformers"), ("tokenizers", "tokenizers"
         print(f"{dist} NOT IMPORTABLE: {type(e).__name__}: {e}")
 EOF
 
+    # The preflight the sbatch scripts run on every node, here on this one GPU node as node 0 of a
+    # 2-node, 1-GPU-per-node layout (1 learner + 1 engine): CUDA, NCCL, driver, /dev/shm, memory.
+    # Not yet run on a GPU (written 2026-12-06 without one); its cross-node all-reduce needs the
+    # 2-node smoke job.
+    echo "== hpc-tba doctor (python -m hpc_tba.launcher.doctor, one GPU node of a 2-node layout)"
+    "$PY" -m hpc_tba.launcher.doctor cluster.nodes=2 cluster.gpus_per_node=1 cluster.num_searchers=1 \
+        "run_dir=${TMPDIR:-/tmp}/gpu_check_doctor"
+    local doctor_rc=$?
+    echo "gpu_check: doctor exited with $doctor_rc"
+
     # test_engine_process.py: the engine hop into a CUDA worker, and (2 GPUs) a TP=2 out-of-process
     # engine synced through it; test_worker_sync.py: (2 GPUs) the TP=2 out-of-process sync, the
     # workers in the learner's broadcast; test_weight_staging.py: host staging pinned exactly
@@ -101,6 +113,7 @@ EOF
         tests/test_worker_sync.py tests/test_weight_staging.py -p no:cacheprovider -rA --durations=0 "$@"
     local rc=$?
     echo "gpu_check: pytest exited with $rc"
+    (( rc == 0 )) && rc=$doctor_rc
     return $rc
 }
 
