@@ -390,7 +390,18 @@ def doctor_main(argv: list[str]) -> int:
     return run_doctor(compose(args), shared=shared)
 
 
-if __name__ == "__main__":  # what the sbatch scripts run on every node: `python -m hpc_tba.launcher.doctor`
-    from hpc_tba.cli import main
+def main() -> int:
+    """What the sbatch scripts run on every node: `python -m hpc_tba.launcher.doctor <overrides>`
+    (= `hpc-tba doctor`); a bad configuration is one line and exit 2, as there."""
+    from hpc_tba.config import ConfigError
+    from hpc_tba.topology import LayoutError
 
-    sys.exit(main(["doctor", *sys.argv[1:]]))
+    try:
+        return doctor_main(sys.argv[1:])
+    except (ConfigError, LayoutError) as e:
+        print(f"hpc-tba: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
