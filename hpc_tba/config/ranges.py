@@ -22,6 +22,8 @@ from typing import Any
 
 RANGE_KEY = "range"
 """The key of a field's metadata that holds its Range."""
+SEED_NOTE = "numpy's random generators take no negative seed"
+"""The note of every seed's range (seeds reach np.random.default_rng)."""
 
 
 @dataclasses.dataclass(frozen=True)
