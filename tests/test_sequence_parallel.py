@@ -150,7 +150,7 @@ def test_tensor_parallel_with_sp_is_refused_by_name():
 
     with pytest.raises(ValueError, match="tensor_parallel_size=2 with learner.sequence_parallel_size=2.*do not "):
         LearnerConfig(tensor_parallel_size=2, sequence_parallel_size=2)
-    with pytest.raises(ValueError, match="sequence_parallel_size and learner.tensor_parallel_size must be >= 1"):
+    with pytest.raises(ValueError, match=r"learner.sequence_parallel_size=0 is out of range: must be >= 1"):
         LearnerConfig(sequence_parallel_size=0)
 
 

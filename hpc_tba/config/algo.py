@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from hpc_tba.config.ranges import check_ranges
+
 REWARD_MAPS = ("auto", "pm1", "none")
 
 
@@ -33,6 +35,7 @@ class AlgoConfig:
     (hpc_tba.tasks.reward_range); empty = undeclared."""
 
     def __post_init__(self) -> None:
+        check_ranges(self, "algo")  # the subclass's ranged fields too
         if not self.name:
             raise ValueError("algo.name is empty: name the objective (e.g. algo=tb)")
         if self.reward_map not in REWARD_MAPS:

@@ -4,6 +4,8 @@ from __future__ import annotations
 import dataclasses
 import re
 
+from hpc_tba.config.ranges import check_ranges, ranged
+
 BACKENDS = ("local", "slurm")
 # Slurm's --time forms: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S.
 _TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")
@@ -15,17 +17,17 @@ class ClusterConfig:
 
     backend: str = "local"
     """local (mpiexec on this machine) or slurm (srun inside an allocation / sbatch)."""
-    num_learners: int = 1
+    num_learners: int = ranged(1, ge=1, note="someone has to train")
     """Learner ranks (one ZeRO-3 data-parallel group; each owns a replay-buffer shard)."""
-    num_searchers: int = 2
+    num_searchers: int = ranged(2, ge=0)
     """Searcher ranks (each drives one vLLM engine)."""
-    threads_per_rank: int = 1
+    threads_per_rank: int = ranged(1, ge=1)
     """CPU threads per rank (pinning matters: oversubscribed ranks slow small steps ~10x)."""
-    engine_threads: int = 1
+    engine_threads: int = ranged(1, ge=1)
     """OpenMP/MKL threads of each process of an out-of-process vLLM engine (its engine core and
     each tensor-parallel worker, which mostly wait on the GPU); a searcher task gets
     threads_per_rank + (1 + TP) x engine_threads CPUs (launcher.slurm.role_cpus)."""
-    cpus_per_node: int = 0
+    cpus_per_node: int = ranged(0, ge=0, note="0: unchecked")
     """CPUs Slurm can give per node, to check that every node's tasks get theirs (0: unchecked)."""
     dist_backend: str = "auto"
     """torch.distributed backend for ZeRO-3 and weight sync: auto (nccl on GPU, else gloo)."""
@@ -33,23 +35,23 @@ class ClusterConfig:
     """MPI launcher for backend=local."""
     pin_cores: bool = True
     """backend=local: pin each rank to cores (learners get their own core first)."""
-    nodes: int = 1
+    nodes: int = ranged(1, ge=1)
     """Nodes in the Slurm allocation (learners on whole nodes first, then searcher engines)."""
-    gpus_per_node: int = 0
+    gpus_per_node: int = ranged(0, ge=0, note="0: CPU nodes")
     """GPUs per node (0: CPU nodes); a learner rank takes one, a searcher engine its TP size."""
-    ranks_per_node: int = 0
+    ranks_per_node: int = ranged(0, ge=0, note="0: all ranks on one node")
     """CPU nodes only: rank slots per node (0: all ranks on one node)."""
-    gpu_memory_gb: float = 80.0
+    gpu_memory_gb: float = ranged(80.0, gt=0)
     """Memory of one GPU in GB (10^9 bytes), for the planner."""
-    host_memory_gb: float = 0.0
+    host_memory_gb: float = ranged(0.0, ge=0, note="0: not checked")
     """Host memory per node in GB (10^9 bytes): `hpc-tba plan` checks every node kind's host
     bytes against it (0: not checked); `hpc-tba doctor` checks the node's real memory
     (/proc/meminfo) against the plan at run time either way."""
-    network_gbit_per_s: float = 100.0
+    network_gbit_per_s: float = ranged(100.0, gt=0)
     """Line rate of one network interface between nodes, Gbit/s (InfiniBand NDR: 400; HDR: 200;
     100 GbE: 100). The planner times cross-node traffic with it; `hpc-tba doctor` compares a
     measured cross-node all-reduce with it."""
-    nics_per_node: int = 1
+    nics_per_node: int = ranged(1, ge=1)
     """Network interfaces per node NCCL spreads traffic over (an 8-GPU node often has 4 or 8)."""
     partition: str = ""
     """Slurm partition (--partition); empty: the site default."""
@@ -57,9 +59,9 @@ class ClusterConfig:
     """Slurm account (--account); empty: the user's default."""
     time: str = "01:00:00"
     """Slurm time limit (--time), e.g. 2-00:00:00."""
-    signal_grace_s: int = 300
+    signal_grace_s: int = ranged(300, ge=0)
     """Seconds before the time limit Slurm sends USR1 (--signal): time to checkpoint and requeue."""
-    checkpoint_gb_per_s: float = 1.0
+    checkpoint_gb_per_s: float = ranged(1.0, gt=0, note="the shared filesystem's write bandwidth in GB/s")
     """Write bandwidth of the shared filesystem to all learner ranks together, GB/s (planner)."""
     checkpoint_staging_dir: str = ""
     """Node-local dir learners save into first, copied to run_dir in the background; empty: none."""
@@ -77,35 +79,15 @@ class ClusterConfig:
     """Extra environment for every rank (e.g. NCCL_SOCKET_IFNAME, NCCL_IB_HCA)."""
 
     def __post_init__(self) -> None:
+        check_ranges(self, "cluster")
         if self.backend not in BACKENDS:
             raise ValueError(f"cluster.backend={self.backend!r} is not one of {', '.join(BACKENDS)}")
-        if self.num_learners < 1:
-            raise ValueError("cluster.num_learners must be >= 1: someone has to train")
-        if self.num_searchers < 0:
-            raise ValueError("cluster.num_searchers must be >= 0")
-        if self.nodes < 1:
-            raise ValueError(f"cluster.nodes={self.nodes} must be >= 1")
-        if self.gpus_per_node < 0 or self.ranks_per_node < 0:
-            raise ValueError("cluster.gpus_per_node and cluster.ranks_per_node must be >= 0")
         if self.nodes > 1 and not (self.gpus_per_node or self.ranks_per_node):
             raise ValueError(f"cluster.nodes={self.nodes}: set cluster.gpus_per_node (GPU nodes) "
                              "or cluster.ranks_per_node (CPU nodes) so ranks can be placed")
-        if self.signal_grace_s < 0:
-            raise ValueError(f"cluster.signal_grace_s={self.signal_grace_s} must be >= 0")
         if not _TIME.match(self.time):
             raise ValueError(f"cluster.time={self.time!r} is not a Slurm time (e.g. 04:00:00, "
                              "2-00:00:00, 90)")
-        if self.threads_per_rank < 1 or self.engine_threads < 1 or self.cpus_per_node < 0:
-            raise ValueError("cluster.threads_per_rank and cluster.engine_threads must be >= 1, "
-                             "cluster.cpus_per_node >= 0 (0: unchecked)")
-        if self.checkpoint_gb_per_s <= 0:
-            raise ValueError(f"cluster.checkpoint_gb_per_s={self.checkpoint_gb_per_s} must be > 0 "
-                             "(the shared filesystem's write bandwidth in GB/s)")
-        if self.network_gbit_per_s <= 0 or self.nics_per_node < 1:
-            raise ValueError(f"cluster.network_gbit_per_s={self.network_gbit_per_s} must be > 0 and "
-                             f"cluster.nics_per_node={self.nics_per_node} >= 1")
-        if self.gpu_memory_gb <= 0:
-            raise ValueError(f"cluster.gpu_memory_gb={self.gpu_memory_gb} must be > 0")
 
     @property
     def world_size(self) -> int:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from hpc_tba.config.ranges import SEED_NOTE, check_ranges, ranged
+
 
 @dataclasses.dataclass
 class ModelConfig:
@@ -12,26 +14,27 @@ class ModelConfig:
     """A Hugging Face directory on local disk, or `embedded` for the tiny locally built Llama."""
     cache_dir: str = "~/.cache/hpc_tba/models"
     """Where the embedded model, its tokenizer and its supervised warm start are cached."""
-    hidden_size: int = 128
+    hidden_size: int = ranged(128, ge=64)
     """Embedded model only: width (head_dim = hidden/heads must be >= 64 for vLLM's CPU kernels)."""
-    num_layers: int = 2
+    num_layers: int = ranged(2, ge=1)
     """Embedded model only: transformer layers."""
-    num_heads: int = 2
+    num_heads: int = ranged(2, ge=1)
     """Embedded model only: attention heads."""
-    sft_steps: int = 1000
+    sft_steps: int = ranged(1000, ge=0)
     """Embedded model only: most supervised warm-start steps (partly right, like the papers' SFT
     start); with a band the warm start stops earlier, as soon as it is inside the band."""
-    sft_lr: float = 1e-3
+    sft_lr: float = ranged(1e-3, gt=0)
     """Embedded model only: warm-start Adam learning rate."""
     warm_start_band: list[float] = dataclasses.field(default_factory=lambda: [0.45, 0.60])
     """Embedded model only: [low, high] held-out greedy pass@1 at which the warm start stops, so
     the RL run starts with the same headroom on every machine; [] trains exactly sft_steps."""
-    warm_start_eval_every: int = 5
+    warm_start_eval_every: int = ranged(5, ge=1)
     """Embedded model only: warm-start steps between held-out checks of the band."""
-    seed: int = 0
+    seed: int = ranged(0, ge=0, note=SEED_NOTE)
     """Seed of the embedded model's initialisation and warm start."""
 
     def __post_init__(self) -> None:
+        check_ranges(self, "model")
         if self.path != "embedded" and not self.path:
             raise ValueError("model.path is empty: give a local Hugging Face directory or `embedded`")
         if self.hidden_size % self.num_heads or self.hidden_size // self.num_heads < 64:
@@ -42,10 +45,3 @@ class ModelConfig:
         if band and not (len(band) == 2 and 0.0 <= band[0] < band[1] <= 1.0):
             raise ValueError(f"model.warm_start_band={list(band)} must be [] or [low, high] with "
                              "0 <= low < high <= 1 (held-out pass@1)")
-        bad = [f"{name}={value} (must be {rule})" for name, value, rule, ok in (
-            ("model.sft_steps", self.sft_steps, ">= 0", self.sft_steps >= 0),
-            ("model.sft_lr", self.sft_lr, "> 0", self.sft_lr > 0),
-            ("model.warm_start_eval_every", self.warm_start_eval_every, ">= 1", self.warm_start_eval_every >= 1),
-        ) if not ok]
-        if bad:
-            raise ValueError("; ".join(bad))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from hpc_tba.config import AlgoConfig
+from hpc_tba.config import AlgoConfig, ranged
 from hpc_tba.losses.registry import Needs, Objective, need, register
 
 
@@ -21,17 +21,12 @@ class ClippedPGConfig(AlgoConfig):
 
     name: str = "clipped_pg"
     module: str = "plugins.clipped_pg_loss"
-    cpg_ratio_max: float = 2.0
+    cpg_ratio_max: float = ranged(2.0, ge=1)
     """Upper clip of the sequence importance weight π_θ/μ (>= 1)."""
-    cpg_kl_coef: float = 0.0
+    cpg_kl_coef: float = ranged(0.0, ge=0, note="0: no reference model")
     """Weight of the KL estimate S − S_ref (0: no reference model needed)."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not self.cpg_ratio_max >= 1.0:
-            raise ValueError(f"algo.cpg_ratio_max={self.cpg_ratio_max} must be >= 1")
-        if self.cpg_kl_coef < 0:
-            raise ValueError("algo.cpg_kl_coef must be >= 0")
+    # Both ranges are checked by AlgoConfig.__post_init__ (hpc_tba.config.ranges); a check across
+    # fields would go in a __post_init__ of its own, after super().__post_init__().
 
 
 def compute(cfg: ClippedPGConfig, x, *, step: int, normalizer):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from hpc_tba.config import AlgoConfig
+from hpc_tba.config import AlgoConfig, ranged
 from hpc_tba.losses.registry import Needs, Objective, need, register
 
 ALOL_VARIANTS = ("a_lol", "ref_free", "seq", "kl", "r_lol")
@@ -16,19 +16,15 @@ class AlolConfig(AlgoConfig):
     name: str = "alol"
     alol_variant: str = "a_lol"
     """A-LoL: one of a_lol, ref_free, seq, kl, r_lol (ALGORITHMS.md §3)."""
-    alol_clip_eps: float = 0.9
+    alol_clip_eps: float = ranged(0.9, ge=0, lt=1, note="so weights stay positive")
     """A-LoL: importance weights clipped to [1 − ε, 1 + ε] (0.9 gives [0.1, 1.9])."""
-    alol_kl_beta: float = 0.0
+    alol_kl_beta: float = ranged(0.0, ge=0)
     """A-LoL KL variant: coefficient of (log π_θ − log π_ref); must be > 0 for variant=kl."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.alol_variant not in ALOL_VARIANTS:
             raise ValueError(f"algo.alol_variant={self.alol_variant!r} is not one of {', '.join(ALOL_VARIANTS)}")
-        if not 0.0 <= self.alol_clip_eps < 1.0:
-            raise ValueError(f"algo.alol_clip_eps must be in [0, 1) so weights stay positive, got {self.alol_clip_eps}")
-        if self.alol_kl_beta < 0:
-            raise ValueError("algo.alol_kl_beta must be >= 0")
         if self.alol_variant == "kl" and self.alol_kl_beta <= 0:
             raise ValueError("algo.alol_variant=kl needs algo.alol_kl_beta > 0 (else it is ref_free on A+)")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from hpc_tba.config import AlgoConfig
+from hpc_tba.config import AlgoConfig, ranged
 from hpc_tba.losses.registry import Needs, Objective, need, register
 
 DPO_PAIRINGS = ("best_worst", "all")
@@ -15,15 +15,13 @@ class DpoConfig(AlgoConfig):
     """DPO's hyper-parameters (ALGORITHMS.md §4)."""
 
     name: str = "dpo"
-    dpo_beta: float = 0.1
+    dpo_beta: float = ranged(0.1, gt=0)
     """DPO: inverse temperature of the implicit reward β·(log π_θ − log π_ref)."""
     dpo_pairing: str = "best_worst"
     """DPO: pairs per prompt group: 'best_worst' (one pair) or 'all' (every higher/lower pair)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.dpo_beta <= 0:
-            raise ValueError("algo.dpo_beta must be > 0")
         if self.dpo_pairing not in DPO_PAIRINGS:
             raise ValueError(f"algo.dpo_pairing={self.dpo_pairing!r} is not one of {', '.join(DPO_PAIRINGS)}")
 

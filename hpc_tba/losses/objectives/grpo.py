@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from hpc_tba.config import AlgoConfig
+from hpc_tba.config import AlgoConfig, ranged
 from hpc_tba.losses.registry import Needs, Objective, need, register
 
 
@@ -12,19 +12,15 @@ class GrpoConfig(AlgoConfig):
     """GRPO's hyper-parameters (ALGORITHMS.md §4)."""
 
     name: str = "grpo"
-    grpo_clip_eps: float = 0.2
+    grpo_clip_eps: float = ranged(0.2, gt=0, lt=1)
     """GRPO: PPO clip range of the per-token ratio to the behaviour policy."""
     grpo_scale_std: bool = True
     """GRPO: divide group-centred rewards by the group std (False = Dr. GRPO's centring only)."""
-    kl_coef: float = 0.0
+    kl_coef: float = ranged(0.0, ge=0, note="0: no KL penalty")
     """GRPO: weight of the k3 KL penalty to the reference (0 = no reference model needed)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not 0.0 < self.grpo_clip_eps < 1.0:
-            raise ValueError(f"algo.grpo_clip_eps must be in (0, 1), got {self.grpo_clip_eps}")
-        if self.kl_coef < 0:
-            raise ValueError("algo.kl_coef must be >= 0")
 
 
 def _compute(cfg: GrpoConfig, x, *, step: int, normalizer):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from hpc_tba.config import AlgoConfig
+from hpc_tba.config import AlgoConfig, ranged
 from hpc_tba.losses.registry import Needs, Objective, need, register
 
 
@@ -12,15 +12,10 @@ class RlooConfig(AlgoConfig):
     """RLOO's hyper-parameters (ALGORITHMS.md §4)."""
 
     name: str = "rloo"
-    kl_coef: float = 0.0
+    kl_coef: float = ranged(0.0, ge=0, note="0: no KL shaping")
     """RLOO: weight of the KL shaping of the reward, −kl_coef·(S − S_ref) (0 = no reference model)."""
     length_normalize: bool = False
     """RLOO: divide each sample's summed log-prob by its length (False: sum, as RLOO's paper)."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.kl_coef < 0:
-            raise ValueError("algo.kl_coef must be >= 0")
 
 
 def _compute(cfg: RlooConfig, x, *, step: int, normalizer):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from hpc_tba.config import AlgoConfig
+from hpc_tba.config import AlgoConfig, ranged
 from hpc_tba.losses.registry import Objective, register
 
 
@@ -13,15 +13,10 @@ class SftConfig(AlgoConfig):
     """SFT's hyper-parameters (ALGORITHMS.md §4)."""
 
     name: str = "sft"
-    sft_min_reward: float = 0.0
+    sft_min_reward: float = ranged(0.0, ge=-math.inf, le=math.inf, note="-inf keeps every sample")
     """SFT (rejection sampling): train on samples with reward > this (-inf keeps every sample)."""
     length_normalize: bool = False
     """SFT: divide each sample's summed log-prob by its length."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if math.isnan(self.sft_min_reward):
-            raise ValueError("algo.sft_min_reward must be a number (use -inf to keep every sample)")
 
 
 def _compute(cfg: SftConfig, x, *, step: int, normalizer):

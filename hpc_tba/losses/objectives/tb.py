@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from hpc_tba.config import AlgoConfig
+from hpc_tba.config import AlgoConfig, ranged
 from hpc_tba.losses.registry import Needs, Objective, need, register
 
 TB_LOGZ = ("vargrad", "learned")
@@ -14,11 +14,11 @@ class TBConfig(AlgoConfig):
     """TB's hyper-parameters; defaults are TBA's GSM8K run (ALGORITHMS.md §1)."""
 
     name: str = "tb"
-    beta0: float = 0.012
+    beta0: float = ranged(0.012, gt=0, note="β divides the reward")
     """TB: KL coefficient / reward temperature at step 0."""
-    beta_final: float = 0.004
+    beta_final: float = ranged(0.004, gt=0, note="β divides the reward")
     """TB: β reached at the end of the linear schedule."""
-    beta_steps: int = 500
+    beta_steps: int = ranged(500, ge=0, note="0: beta_final from the start")
     """TB: learner updates over which β goes linearly from beta0 to beta_final."""
     tb_logz: str = "vargrad"
     """TB: 'vargrad' (per-prompt batch estimate, the paper's). 'learned' (a logZ per prompt owned
@@ -26,10 +26,6 @@ class TBConfig(AlgoConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.beta0 <= 0 or self.beta_final <= 0:
-            raise ValueError("algo.beta0 and algo.beta_final must be > 0 (β divides the reward)")
-        if self.beta_steps < 0:
-            raise ValueError("algo.beta_steps must be >= 0")
         if self.tb_logz not in TB_LOGZ:
             raise ValueError(f"algo.tb_logz={self.tb_logz!r} is not one of {', '.join(TB_LOGZ)}")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from hpc_tba.config import AlgoConfig
+from hpc_tba.config import AlgoConfig, ranged
 from hpc_tba.losses.registry import Needs, Objective, register
 
 
@@ -14,26 +14,26 @@ class ToprConfig(AlgoConfig):
     """TOPR's hyper-parameters (ALGORITHMS.md §2); reward_map / reward_range: AlgoConfig."""
 
     name: str = "topr"
-    topr_baseline: float = 0.0
+    topr_baseline: float = ranged(0.0)
     """TOPR: baseline c subtracted from rewards (R − c); sets the effective positive fraction."""
-    topr_pos_min: float = 1.0
+    topr_pos_min: float = ranged(1.0, ge=0)
     """TOPR: lower clip of the importance ratio for samples with reward >= 0 (TOPR: 1)."""
-    topr_pos_max: float = 1.0
+    topr_pos_max: float = ranged(1.0, ge=0, le=math.inf, note="inf: no upper clip")
     """TOPR: upper clip of the ratio for reward >= 0 (TOPR: 1 = plain SFT on positives)."""
-    topr_neg_min: float = 0.0
+    topr_neg_min: float = ranged(0.0, ge=0)
     """TOPR: lower clip of the ratio for reward < 0 (TOPR: 0)."""
-    topr_neg_max: float = 1.0
+    topr_neg_max: float = ranged(1.0, ge=0, le=math.inf, note="inf: no upper clip")
     """TOPR: upper clip of the ratio for reward < 0 (TOPR: 1 = truncated IS, tapers to 0)."""
     topr_length_normalize: bool = True
     """TOPR: divide each sample's loss by its response length |y|."""
-    topr_positive_threshold: float = 0.0
+    topr_positive_threshold: float = ranged(0.0)
     """TOPR: rewards >= this are positives (0 for ±1 rewards; 0.5 with baseline 0.5 for 0/1 rewards)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         for kind in ("pos", "neg"):
             lo, hi = getattr(self, f"topr_{kind}_min"), getattr(self, f"topr_{kind}_max")
-            if not (0.0 <= lo <= hi) or math.isnan(hi):
+            if not lo <= hi:
                 raise ValueError(f"algo.topr_{kind}_min/max must satisfy 0 <= min <= max (got {lo}, {hi}); "
                                  "they clip an importance ratio")
 
