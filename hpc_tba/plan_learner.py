@@ -38,6 +38,7 @@ def _model_states(plan: Plan, cfg: RunConfig, spec: ModelSpec, n: int) -> float:
     lr = cfg.learner
     pb, ob, p = DTYPE_BYTES[lr.dtype], 12 if lr.dtype == "bf16" else 8, spec.params
     host = "(host memory)"
+    plan.terms["params_per_rank"] = p / n  # the host rows' offloaded shards (planner._host_rows)
     total = plan.row("parameters (sharded)", pb * p / n * (not lr.offload_params),
                      host if lr.offload_params else "", key="params")
     gb = DTYPE_BYTES[_deepspeed(cfg)["data_types"]["grad_accum_dtype"]]  # ZeRO-3's partition buffer

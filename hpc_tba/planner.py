@@ -230,6 +230,52 @@ def _engine_workers(plan: Plan, cfg: RunConfig, spec: ModelSpec, bucket: int, gp
     return worker
 
 
+RUNTIME_HOST_GIB = 1.0
+"""Host memory per rank process besides what the rows count (interpreter, torch, DeepSpeed or
+vLLM libraries, buffers): the embedded run's largest process peaked at 0.9 GB (README)."""
+
+
+def _host_rows(plan: Plan, cfg: RunConfig, topo) -> None:
+    """Host memory per node kind (memory.NODE_KINDS) into plan.host_bytes, one line, and a refusal
+    past cluster.host_memory_gb. GPU nodes: offloaded states, learner rank 0's held versions, the
+    searchers' host staging; CPU nodes also hold what the GPU rows count (every row is host memory)."""
+    c, s, lr = cfg.cluster, cfg.searcher, cfg.learner
+    gpus, runtime = c.gpus_per_node, RUNTIME_HOST_GIB * GiB
+    learners = sum(1 for r in topo.learner_ranks if topo.node_of(r) == 0)
+    if gpus:
+        pb, ob = DTYPE_BYTES[lr.dtype], 12 if lr.dtype == "bf16" else 8
+        per_learner = (ob * lr.offload_optimizer + 2 * pb * lr.offload_params) * plan_params(plan)
+    else:
+        per_learner = plan.learner_gib * GiB
+    learner = learners * (per_learner + runtime)
+    plan.host_bytes = {"learner0": learner + plan.terms.get("held_versions", 0.0)}
+    if topo.learner_nodes > 1:
+        plan.host_bytes["learner"] = learner
+    if c.num_searchers:
+        engines = min(topo.engines_per_node, c.num_searchers)
+        procs = 1 + (1 + s.tensor_parallel_size if s.engine_process else 0)
+        per_engine = plan.terms.get("staging_host", 0.0) + procs * runtime
+        if not gpus:  # the engine's weights, KV cache, staging and workers' buffers are host memory here
+            per_engine += (plan.engine_gib * GiB + plan.terms.get("staging_device", 0.0)
+                           + s.tensor_parallel_size * plan.terms.get("sync_worker", 0.0))
+        plan.host_bytes["searcher"] = engines * per_engine
+    names = {"learner0": "learner rank 0's node", "learner": "learner node", "searcher": "searcher node"}
+    of = f" (of {c.host_memory_gb:g} GB cluster.host_memory_gb)" if c.host_memory_gb else ""
+    plan.lines.append("  host memory per node: " + ", ".join(
+        f"{names[k]} {v / GiB:.1f} GiB" for k, v in plan.host_bytes.items()) + of
+        + f"; {RUNTIME_HOST_GIB:g} GiB per rank process included")
+    cap = c.host_memory_gb * 1e9 * USABLE_FRACTION
+    for kind, need in plan.host_bytes.items():
+        if c.host_memory_gb and need > cap:
+            plan.problems.append(f"a {names[kind]} needs {need / GiB:.1f} GiB of host memory, more than "
+                                 f"{USABLE_FRACTION:.0%} of cluster.host_memory_gb={c.host_memory_gb:g} GB")
+
+
+def plan_params(plan: Plan) -> float:
+    """Parameters per learner rank's ZeRO-3 shard, from the plan's parameter row."""
+    return plan.terms.get("params_per_rank", 0.0)
+
+
 def make_plan(cfg: RunConfig, opt: PlanOptions = PlanOptions()) -> Plan:
     """Build the plan for a composed config; layout errors become problems."""
     from hpc_tba.topology import LayoutError, Topology
@@ -260,6 +306,7 @@ def make_plan(cfg: RunConfig, opt: PlanOptions = PlanOptions()) -> Plan:
         _engine(plan, cfg, spec, gpus)
         _staging(plan, cfg, spec, gpus)
     checkpoint_rows(plan, cfg, spec)
+    _host_rows(plan, cfg, topo)
     if opt.dry_run:
         from hpc_tba.plan_dryrun import dry_run
 
