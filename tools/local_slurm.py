@@ -125,13 +125,18 @@ class LocalSlurm:
         return dict(re.findall(r"(\w+)=(\S*)", text))
 
     def wait(self, job_id: str, *, timeout_s: float = 300.0,
-             states: set[str] = FINAL_STATES) -> str:
-        """Poll until the job reaches one of `states`; return that state."""
+             states: set[str] = FINAL_STATES, abandon=None) -> str:
+        """Poll until the job reaches one of `states`; return that state. `abandon()` returning
+        True (e.g. a task's log shows MPI_Init failed while another task still waits in it)
+        cancels the job and returns "CANCELLED"."""
         deadline = time.monotonic() + timeout_s
         while True:
             state = self.job_info(job_id).get("JobState", "")
             if state in states:
                 return state
+            if abandon is not None and abandon():
+                self.run(["scancel", job_id])
+                return "CANCELLED"
             if time.monotonic() > deadline:
                 raise TimeoutError(f"job {job_id} still {state} after {timeout_s:.0f}s")
             time.sleep(0.2)
