@@ -23,9 +23,8 @@ def train(overrides: list[str], *, verbose: bool = False) -> int:
     from hpc_tba.assembly.compose import compose
     from hpc_tba.console import LAUNCHER_ENV, VERBOSE_ENV, captured, log_dir
     from hpc_tba.launcher.local import find_mpiexec, mpiexec_launch
-    from hpc_tba.models.tiny import resolve_model_path
 
-    cfg = compose(overrides)
+    cfg = compose(overrides)  # a bad setting is refused here, before torch is imported (seconds)
     check_data(cfg.task, required=cfg.cluster.backend == "local")
     if cfg.cluster.backend != "local":
         from hpc_tba.launcher import submit
@@ -33,6 +32,7 @@ def train(overrides: list[str], *, verbose: bool = False) -> int:
         job = submit.launch(cfg, overrides=overrides)
         print(f"submitted {job}")
         return 0
+    from hpc_tba.models.tiny import resolve_model_path
     from hpc_tba.topology import Topology
 
     Topology.for_run(cfg)  # refuse an impossible layout before building anything
