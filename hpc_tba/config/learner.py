@@ -37,6 +37,13 @@ class LearnerConfig:
     """Adam learning rate (TBA uses Adam, no gradient clipping). 1e-5 for the embedded default:
     from the banded warm start (52% held-out) 150 steps gained +16 and +18 points at 1e-5 (seed 0,
     twice), +15.5 (seed 1), against +10 at 3e-5 and +6.5 at 1e-4 (issue 17, 2 CPU cores)."""
+    adam_beta1: float = ranged(0.9, ge=0, lt=1)
+    """Adam's first-moment decay (written to torch's AdamW, not its default)."""
+    adam_beta2: float = ranged(0.999, ge=0, lt=1)
+    """Adam's second-moment decay."""
+    adam_eps: float = ranged(1e-8, gt=0)
+    """Adam's denominator term: an entry whose gradient is near it moves by lr * g / (|g| + eps),
+    so two layouts whose gradients differ by rounding differ there by up to lr * that change."""
     warmup_steps: int = ranged(10, ge=0)
     """Linear learning-rate warm-up steps."""
     grad_clip: float = ranged(0.0, ge=0, note="0: no clipping")

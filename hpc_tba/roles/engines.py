@@ -32,7 +32,8 @@ def build_engines(cfg: LearnerConfig, loss: AlgoConfig, model_path: str, *, micr
     if cfg.gradient_checkpointing:  # non-reentrant: the variant that works under ZeRO-3
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     policy.train()
-    opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0)
+    opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
+                            weight_decay=0.0)
     warmup = max(1, cfg.warmup_steps)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
     # (AutoTP replaces the split layers' parameters; DeepSpeed re-points the optimizer to them)
