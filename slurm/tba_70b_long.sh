@@ -33,7 +33,6 @@ export TOKENIZERS_PARALLELISM="false"
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$HOME/.cache/hpc_tba/torch_extensions}"
 export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
 export TORCH_NCCL_ASYNC_ERROR_HANDLING="1"
-export CUDA_DEVICE_MAX_CONNECTIONS="1"
 
 # Preflight on every node before any rank starts (hpc-tba doctor: GPUs, packages, network,
 # shared and staging space, /dev/shm, host memory against the plan, a cross-node all-reduce).

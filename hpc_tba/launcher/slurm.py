@@ -272,8 +272,10 @@ def env_exports(cfg: RunConfig) -> list[str]:
         env["DS_ACCELERATOR"] = "cpu"
     if c.gpus_per_node:
         # NCCL: surface errors instead of hanging on them; let a site pin interfaces in cluster.env.
-        env |= {"NCCL_DEBUG": "${NCCL_DEBUG:-WARN}", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
-                "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+        # No CUDA_DEVICE_MAX_CONNECTIONS=1: that is Megatron-LM's requirement (its TP/SP overlap relies
+        # on kernels launching in one hardware queue); nothing here uses Megatron's kernels, and one
+        # queue would put ZeRO-3's prefetch all-gathers (their own stream) behind the compute kernels.
+        env |= {"NCCL_DEBUG": "${NCCL_DEBUG:-WARN}", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
     env |= dict(sorted(c.env.items()))
     return [f'export {k}="{v}"' for k, v in env.items()]
 
