@@ -34,10 +34,31 @@ export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$HOME/.cache/hpc_tba/torch_
 export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
 export TORCH_NCCL_ASYNC_ERROR_HANDLING="1"
 
+# step: run one srun job step; under --mpi=pmi2, start it again (at most twice) when MPI_Init
+# failed in Slurm's pmi2 plugin. That plugin reads a PMI-1 request with one read of 1,024 bytes,
+# and MPICH's address exchange at MPI_Init puts lines of up to ~1,080 bytes (511 bytes of a
+# 4,096-byte buffer per line, in hex with runs of zeros folded, so the length depends on the
+# bytes: most starts fit, a few do not). The split request reads as
+# "mpi/pmi2: invalid client request" and the step dies before any rank has done work.
+# Any other failure ends the job with the step's exit code.
+step() {
+  local log rc attempt
+  log="$(mktemp)"
+  for attempt in 1 2 3; do
+    "$@" 2>&1 | tee "$log" && { rm -f "$log"; return 0; }
+    rc=${PIPESTATUS[0]}
+    if [[ "$1 $2" != "srun --mpi=pmi2" ]] || ! grep -q "mpi/pmi2: invalid client request" "$log" || ((attempt == 3)); then
+      rm -f "$log"
+      return "$rc"
+    fi
+    echo "hpc_tba: MPI_Init failed in Slurm's pmi2 plugin (a split request); starting it again ($attempt of 2)" >&2
+  done
+}
+
 # Preflight on every node before any rank starts (hpc-tba doctor: GPUs, packages, network,
 # shared and staging space, /dev/shm, host memory against the plan, a cross-node all-reduce).
 # A problem is one line each and the job stops here; the report is $RUN_DIR/doctor.txt.
-srun --mpi=pmi2 --nodes=16 --ntasks=16 --ntasks-per-node=1 --cpus-per-task=13 --kill-on-bad-exit=1 \
+step srun --mpi=pmi2 --nodes=16 --ntasks=16 --ntasks-per-node=1 --cpus-per-task=13 --kill-on-bad-exit=1 \
   "$PYTHON" -m hpc_tba.launcher.doctor --shared "$SHARED" +experiment=tba_70b "run_dir=$RUN_DIR" "$@"
 mkdir -p "$RUN_DIR"
 
@@ -50,5 +71,5 @@ for i in "${!TASKS[@]}"; do
 done > "$SLURM_HOSTFILE"
 
 echo "tba_70b: job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0} on $SLURM_JOB_NODELIST; tensorboard --logdir $RUN_DIR"
-srun --mpi=pmi2 --distribution=arbitrary --ntasks=80 --cpus-per-task=13 --kill-on-bad-exit=1 \
+step srun --mpi=pmi2 --distribution=arbitrary --ntasks=80 --cpus-per-task=13 --kill-on-bad-exit=1 \
   "$PYTHON" -m hpc_tba.run +experiment=tba_70b "run_dir=$RUN_DIR" "$@"

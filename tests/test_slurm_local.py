@@ -16,7 +16,7 @@ import local_slurm
 import pytest
 
 from hpc_tba.assembly.compose import compose
-from hpc_tba.launcher.slurm import sbatch_script
+from hpc_tba.launcher.slurm import PMI2_MISREAD, sbatch_script
 
 pytestmark = [pytest.mark.slurm, pytest.mark.mpi]
 REPO = Path(__file__).resolve().parents[1]
@@ -310,7 +310,7 @@ def test_launch_through_submitit_slurm_executor(slurm, tmp_path, monkeypatch):
     from hpc_tba.launcher.submit import launch
 
     monkeypatch.setenv("SLURM_CONF", str(slurm.conf))
-    for attempt in range(3):  # up to two resubmissions, on PMI2_MISREAD only (see _pmi2_misread)
+    for attempt in range(3):  # up to two resubmissions, on PMI2_MISREAD only (slurm.STEP_FUNCTION)
         run_dir = tmp_path / f"run{attempt}"
         overrides = ["cluster=slurm_cpu", *TINY, f"run_dir={run_dir}"]
         job = launch(compose(overrides), overrides=overrides)
@@ -343,31 +343,16 @@ def _learner_rows(run_dir: Path) -> list[dict]:
     return [json.loads(ln) for ln in path.read_text().splitlines()] if path.exists() else []
 
 
-PMI2_MISREAD = "mpi/pmi2: invalid client request"
-"""Slurm 22.05's pmi2 plugin now and then misreads a long PMI2 request (MPICH's address exchange)
-and MPI_Init fails before any of our code runs (here: intermittently, at a job's first start or
-after its requeue; the same error is reported on real clusters). Only that signature earns a
-resubmission."""
-
-
-def _pmi2_misread(log: Path) -> bool:
-    text = log.read_text() if log.exists() else ""
-    return PMI2_MISREAD in text and "MPI_Init" in text
-
-
-def _reached_step(slurm, job: str, run_dir: Path, log: Path, step: int) -> bool:
-    """Wait until the job's learner logged `step`; False if the job died of PMI2_MISREAD."""
+def _reached_step(slurm, job: str, run_dir: Path, log: Path, step: int) -> None:
+    """Wait until the job's learner logged `step`."""
     deadline = time.monotonic() + 600
     while not any(r.get("step", 0) >= step for r in _learner_rows(run_dir)):
         state = slurm.job_info(job)["JobState"]
         if state not in ("PENDING", "RUNNING"):
-            if _pmi2_misread(log):
-                return False
             text = log.read_text() if log.exists() else ""
             raise AssertionError(f"job {job} is {state} before step {step}:\n{text[-3000:]}")
         assert time.monotonic() < deadline, f"the run never reached step {step}"
         time.sleep(0.5)
-    return True
 
 
 @NEEDS_RUN
@@ -378,22 +363,16 @@ def test_usr1_mid_run_requeues_and_resumes_the_real_run(slurm, tmp_path):
     # the signal must land before the run ends: a tiny_cpu step takes ~0.3 s on 2 cores, and a run
     # of 12 once finished its last 9 steps before USR1 reached it (fresh clone, 2026-12-04)
     total = 40
-    for attempt in range(3):
-        run_dir = tmp_path / f"run{attempt}"
-        job = slurm.sbatch([str(REPO / "slurm" / "tiny_cpu.sh"), f"learner.total_steps={total}",
-                            "learner.eval_every=0", "resume=auto"], cwd=tmp_path,
-                           env={"HPC_TBA_PYTHON": sys.executable, "HPC_TBA_RUN_DIR": str(run_dir)})
-        log = tmp_path / f"tiny_cpu-{job}.out"
-        if not _reached_step(slurm, job, run_dir, log, 3):
-            continue  # MPI_Init failed in Slurm's pmi2 plugin: submit again
-        slurm.run(["scancel", "--signal=USR1", job])
-        state = slurm.wait(job, timeout_s=900, states={"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"})
-        if state != "COMPLETED" and _pmi2_misread(log):
-            continue  # the requeued step's MPI_Init failed the same way
-        assert state == "COMPLETED", log.read_text()[-3000:]
-        break
-    else:
-        pytest.fail("MPI_Init failed under srun --mpi=pmi2 in 3 submissions:\n" + log.read_text()[-3000:])
+    run_dir = tmp_path / "run"
+    # the script's step() starts a step again after Slurm's pmi2 misread (slurm.STEP_FUNCTION)
+    job = slurm.sbatch([str(REPO / "slurm" / "tiny_cpu.sh"), f"learner.total_steps={total}",
+                        "learner.eval_every=0", "resume=auto"], cwd=tmp_path,
+                       env={"HPC_TBA_PYTHON": sys.executable, "HPC_TBA_RUN_DIR": str(run_dir)})
+    log = tmp_path / f"tiny_cpu-{job}.out"
+    _reached_step(slurm, job, run_dir, log, 3)
+    slurm.run(["scancel", "--signal=USR1", job])
+    state = slurm.wait(job, timeout_s=900, states={"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"})
+    assert state == "COMPLETED", log.read_text()[-3000:]
     assert slurm.job_info(job)["Restarts"] == "1", "the run was not requeued (did it end before USR1?)"
     rows = _learner_rows(run_dir)
     resumed = [int(r["checkpoint/resumed_step"]) for r in rows if "checkpoint/resumed_step" in r]

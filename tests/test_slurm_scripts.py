@@ -145,3 +145,47 @@ def test_requeue_calls_scontrol(tmp_path, monkeypatch):
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     with pytest.raises(RuntimeError, match="outside a Slurm job"):
         slurm.requeue(scontrol=str(fake))
+
+
+FAKE_SRUN = """#!/bin/bash
+# a stand-in srun: fails with the words of line N of $PLAN (one word per attempt), counting calls
+n=$(( $(cat "$CALLS" 2>/dev/null || echo 0) + 1 )); echo "$n" > "$CALLS"
+case "$(sed -n "${n}p" "$PLAN")" in
+  ok) echo "ran: $*"; exit 0 ;;
+  misread) echo "slurmstepd-n2: error: $MISREAD" >&2; echo "Abort: MPI_Init_thread failed" >&2; exit 15 ;;
+  *) echo "Traceback: something else" >&2; exit 3 ;;
+esac
+"""
+
+
+@pytest.mark.parametrize("mpi, plan, rc, calls", [
+    ("pmi2", ["misread", "ok"], 0, 2),                   # the split request: started again
+    ("pmi2", ["misread", "misread", "ok"], 0, 3),
+    ("pmi2", ["misread", "misread", "misread"], 15, 3),  # at most twice again, then the step's code
+    ("pmi2", ["other", "ok"], 3, 1),                     # any other failure ends the job
+    ("pmix", ["misread", "ok"], 15, 1),                  # only Slurm's pmi2 plugin has this bug
+])
+def test_step_starts_again_only_after_the_pmi2_misread(tmp_path, mpi, plan, rc, calls):
+    import subprocess
+
+    (tmp_path / "srun").write_text(FAKE_SRUN)
+    (tmp_path / "srun").chmod(0o755)
+    (tmp_path / "plan").write_text("\n".join(plan) + "\n")
+    script = (f"set -euo pipefail\n{slurm.STEP_FUNCTION}\n"
+              f"step srun --mpi={mpi} --ntasks=2 python -m hpc_tba.run\n")
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env={
+        **os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "PLAN": str(tmp_path / "plan"),
+        "CALLS": str(tmp_path / "calls"), "MISREAD": slurm.PMI2_MISREAD})
+    assert out.returncode == rc, out.stderr
+    assert int((tmp_path / "calls").read_text()) == calls
+    assert out.stderr.count("starting it again") == (calls - 1)
+    assert ("ran: --mpi" in out.stdout) == (rc == 0)  # the step's own output passes through
+
+
+def test_every_srun_line_of_a_script_goes_through_step():
+    text = scripts.preset_script("tba_70b")
+    assert slurm.STEP_FUNCTION in text
+    assert text.index("step() {") < text.index("step srun")
+    assert [ln for ln in text.splitlines() if "srun " in ln and not ln.lstrip().startswith("#")
+            and "step()" not in ln and '"srun --mpi=pmi2"' not in ln] == [
+        ln for ln in text.splitlines() if ln.startswith("step srun")]

@@ -306,23 +306,53 @@ def doctor_command(cfg: RunConfig, overrides: Sequence[str], *, python: str = "p
             python, "-m", "hpc_tba.launcher.doctor", "--shared", "$SHARED", *overrides]
 
 
+PMI2_MISREAD = "mpi/pmi2: invalid client request"
+"""What Slurm's pmi2 plugin prints when it split one of MPICH's PMI-1 requests (see STEP_FUNCTION)."""
+
+STEP_FUNCTION = f"""\
+# step: run one srun job step; under --mpi=pmi2, start it again (at most twice) when MPI_Init
+# failed in Slurm's pmi2 plugin. That plugin reads a PMI-1 request with one read of 1,024 bytes,
+# and MPICH's address exchange at MPI_Init puts lines of up to ~1,080 bytes (511 bytes of a
+# 4,096-byte buffer per line, in hex with runs of zeros folded, so the length depends on the
+# bytes: most starts fit, a few do not). The split request reads as
+# "{PMI2_MISREAD}" and the step dies before any rank has done work.
+# Any other failure ends the job with the step's exit code.
+step() {{
+  local log rc attempt
+  log="$(mktemp)"
+  for attempt in 1 2 3; do
+    "$@" 2>&1 | tee "$log" && {{ rm -f "$log"; return 0; }}
+    rc=${{PIPESTATUS[0]}}
+    if [[ "$1 $2" != "srun --mpi=pmi2" ]] || ! grep -q "{PMI2_MISREAD}" "$log" || ((attempt == 3)); then
+      rm -f "$log"
+      return "$rc"
+    fi
+    echo "hpc_tba: MPI_Init failed in Slurm's pmi2 plugin (a split request); starting it again ($attempt of 2)" >&2
+  done
+}}"""
+
+
+def _step_line(cmd: Sequence[str], cut_at: str) -> str:
+    """A script line running `cmd` through step(), broken before the Python command."""
+    cut = list(cmd).index(cut_at)
+    return ("step " + " ".join(_sh(a) for a in cmd[:cut]) + " \\\n  "
+            + " ".join(_sh(a) for a in cmd[cut:]) + ' "$@"')
+
+
 def doctor_lines(cfg: RunConfig, overrides: Sequence[str]) -> list[str]:
     """The script's preflight: `hpc-tba doctor` on every node before any rank starts."""
     cmd = doctor_command(cfg, [*overrides, "run_dir=$RUN_DIR"], python="$PYTHON")
-    cut = cmd.index("$PYTHON")
     return ["# Preflight on every node before any rank starts (hpc-tba doctor: GPUs, packages, network,",
             "# shared and staging space, /dev/shm, host memory against the plan, a cross-node all-reduce).",
             "# A problem is one line each and the job stops here; the report is $RUN_DIR/doctor.txt.",
-            " ".join(_sh(a) for a in cmd[:cut]) + " \\\n  " + " ".join(_sh(a) for a in cmd[cut:]) + ' "$@"']
+            _step_line(cmd, "$PYTHON")]
 
 
 def sbatch_script(cfg: RunConfig, overrides: Sequence[str], *, name: str) -> str:
     """The full sbatch script for a config composed from `overrides` (golden-tested)."""
     c, topo = cfg.cluster, Topology.for_run(cfg)
-    srun = srun_command(cfg, [*overrides, "run_dir=$RUN_DIR"], python="$PYTHON")
-    cut = srun.index("$PYTHON")
-    srun_text = (" ".join(_sh(a) for a in srun[:cut]) + " \\\n  "
-                 + " ".join(_sh(a) for a in srun[cut:]) + ' "$@"')
+    srun_text = _step_line(srun_command(cfg, [*overrides, "run_dir=$RUN_DIR"], python="$PYTHON"),
+                           "$PYTHON")
     preset = " ".join(overrides)
     head = [
         "#!/bin/bash",
@@ -346,6 +376,8 @@ def sbatch_script(cfg: RunConfig, overrides: Sequence[str], *, name: str) -> str
         *setup,
         "# torch.distributed rendezvous needs no MASTER_ADDR: rank 0 broadcasts it over MPI.",
         *env_exports(cfg),
+        "",
+        STEP_FUNCTION,
         "",
         *doctor_lines(cfg, overrides),
         'mkdir -p "$RUN_DIR"',
