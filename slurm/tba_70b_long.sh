@@ -39,14 +39,27 @@ export TORCH_NCCL_ASYNC_ERROR_HANDLING="1"
 # and MPICH's address exchange at MPI_Init puts lines of up to ~1,080 bytes (511 bytes of a
 # 4,096-byte buffer per line, in hex with runs of zeros folded, so the length depends on the
 # bytes: most starts fit, a few do not). The split request reads as
-# "mpi/pmi2: invalid client request" and the step dies before any rank has done work.
-# Any other failure ends the job with the step's exit code.
+# "mpi/pmi2: invalid client request"; the rank that sent it dies or hangs and the
+# others wait in MPI_Init, so the step is ended as soon as those words show (they can only come
+# while ranks start: watched for 600 s) and started again. No rank has done work by
+# then. Any other failure ends the job with the step's exit code.
 step() {
-  local log rc attempt
+  local log rc attempt pid t
   log="$(mktemp)"
   for attempt in 1 2 3; do
-    "$@" 2>&1 | tee "$log" && { rm -f "$log"; return 0; }
-    rc=${PIPESTATUS[0]}
+    : > "$log"
+    "$@" > >(tee -a "$log") 2>&1 &
+    pid=$!
+    if [[ "$1 $2" == "srun --mpi=pmi2" ]]; then
+      for ((t = 0; t < 600; t++)); do
+        kill -0 "$pid" 2>/dev/null || break
+        if grep -q "mpi/pmi2: invalid client request" "$log"; then kill -TERM "$pid"; break; fi
+        sleep 1
+      done
+    fi
+    rc=0
+    wait "$pid" || rc=$?
+    if ((rc == 0)); then rm -f "$log"; return 0; fi
     if [[ "$1 $2" != "srun --mpi=pmi2" ]] || ! grep -q "mpi/pmi2: invalid client request" "$log" || ((attempt == 3)); then
       rm -f "$log"
       return "$rc"

@@ -334,50 +334,57 @@ def test_launch_through_submitit_slurm_executor(slurm, tmp_path, monkeypatch):
     _assert_tiny_run(run_dir)
 
 
-NEEDS_RESUME = pytest.mark.skipif(not (REPO / "hpc_tba" / "checkpoint.py").exists(),
-                                  reason="learner checkpoint/resume not written yet")
-
-
-def _learner_rows(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics_learner.jsonl"
-    return [json.loads(ln) for ln in path.read_text().splitlines()] if path.exists() else []
-
-
-def _reached_step(slurm, job: str, run_dir: Path, log: Path, step: int) -> None:
-    """Wait until the job's learner logged `step`."""
-    deadline = time.monotonic() + 600
-    while not any(r.get("step", 0) >= step for r in _learner_rows(run_dir)):
-        state = slurm.job_info(job)["JobState"]
-        if state not in ("PENDING", "RUNNING"):
-            text = log.read_text() if log.exists() else ""
-            raise AssertionError(f"job {job} is {state} before step {step}:\n{text[-3000:]}")
-        assert time.monotonic() < deadline, f"the run never reached step {step}"
-        time.sleep(0.5)
+SMOKE_CPU = [
+    # the smoke preset's layout on CPU: its 2 virtual nodes, 2 ZeRO-3 learners on n1 and its 2 engines
+    # on n2 (in process: out-of-process engines make a step ~9x slower on 2 cores, and are covered by
+    # test_engine_process; a run refuses TP > 1 without GPUs)
+    "cluster.gpus_per_node=0", "cluster.ranks_per_node=2", "cluster.num_learners=2",
+    "cluster.threads_per_rank=1", "cluster.exclusive=false", "cluster.time=00:30:00",
+    "cluster.signal_grace_s=60", "cluster.network_gbit_per_s=0.1", "cluster.host_memory_gb=0",
+    "searcher.tensor_parallel_size=1", "learner.dtype=fp32", "searcher.dtype=float32",
+    # the stand-in's sizes: short answers, small rounds, a buffer that starts training at once
+    "searcher.max_new_tokens=8", "searcher.max_model_len=192", "searcher.k=4",
+    "searcher.samples_per_prompt=5", "searcher.prompts_per_round=4", "learner.micro_batch_size=2",
+    "buffer.warm_start=10"]
 
 
 @NEEDS_RUN
-@NEEDS_RESUME
-def test_usr1_mid_run_requeues_and_resumes_the_real_run(slurm, tmp_path):
-    """`sbatch slurm/tiny_cpu.sh resume=auto`, USR1 mid-run (what --signal=USR1@grace sends):
-    every role checkpoints, the job requeues itself, and the same job id resumes from that step."""
-    # the signal must land before the run ends: a tiny_cpu step takes ~0.3 s on 2 cores, and a run
-    # of 12 once finished its last 9 steps before USR1 reached it (fresh clone, 2026-12-04)
-    total = 40
+def test_smoke_job_on_stand_ins_preempts_requeues_resumes_and_passes(slurm, tmp_path):
+    """`+experiment=tba_8b_smoke` through the same generator as slurm/tba_8b_smoke.sh, with the
+    CPU stand-ins (a tiny chat Llama, GSM8K-format data): the doctor, 20 steps, USR1 once the
+    learner logged step 5 on the first start, every role checkpoints, rank 0 requeues, the same job
+    id resumes from that checkpoint, and the verdict prints PASS with its figures."""
+    from hpc_tba.launcher.smoke import learner_rows
+    from hpc_tba.models.stand_ins import build_stand_in
+
+    data = tmp_path / "gsm8k"
+    data.mkdir()
+    rows = [{"question": f"Tom has {a} apples and buys {b} more. How many apples does he have?",
+             "answer": f"{a} + {b} = {a + b}\n#### {a + b}"} for a in range(3, 15) for b in (2, 5)]
+    for split, part in (("train", rows), ("test", rows[:4])):
+        (data / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
+    model = build_stand_in(tmp_path / "llama_chat", "llama", chat=True)
+    overrides = ["+experiment=tba_8b_smoke", *SMOKE_CPU, f"model.path={model}", f"task.path={data}"]
+    text = sbatch_script(compose(overrides), overrides, name="tba_8b_smoke")
+    shipped = (REPO / "slurm" / "tba_8b_smoke.sh").read_text()
+    for line in ('  "$PYTHON" -m hpc_tba.launcher.smoke preempt "$RUN_DIR" 5 &', "step srun --mpi=pmi2",
+                 '"$PYTHON" -m hpc_tba.launcher.smoke verdict "$RUN_DIR" +experiment=tba_8b_smoke'):
+        assert line in text and line in shipped  # the shipped script's steps, this layout's numbers
+    (tmp_path / "tba_8b_smoke.sh").write_text(text)
     run_dir = tmp_path / "run"
-    # the script's step() starts a step again after Slurm's pmi2 misread (slurm.STEP_FUNCTION)
-    job = slurm.sbatch([str(REPO / "slurm" / "tiny_cpu.sh"), f"learner.total_steps={total}",
-                        "learner.eval_every=0", "resume=auto"], cwd=tmp_path,
+    job = slurm.sbatch([str(tmp_path / "tba_8b_smoke.sh")], cwd=tmp_path,
                        env={"HPC_TBA_PYTHON": sys.executable, "HPC_TBA_RUN_DIR": str(run_dir)})
-    log = tmp_path / f"tiny_cpu-{job}.out"
-    _reached_step(slurm, job, run_dir, log, 3)
-    slurm.run(["scancel", "--signal=USR1", job])
+    log = tmp_path / f"tba_8b_smoke-{job}.out"
     state = slurm.wait(job, timeout_s=900, states={"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"})
-    assert state == "COMPLETED", log.read_text()[-3000:]
-    assert slurm.job_info(job)["Restarts"] == "1", "the run was not requeued (did it end before USR1?)"
-    rows = _learner_rows(run_dir)
-    resumed = [int(r["checkpoint/resumed_step"]) for r in rows if "checkpoint/resumed_step" in r]
-    assert len(resumed) == 1 and 3 <= resumed[0] < total, resumed
-    steps_after = [int(r["step"]) for r in rows if "loss/tb" in r][-(total - resumed[0]):]
-    assert steps_after == list(range(resumed[0] + 1, total + 1))  # continued, not restarted
+    out = log.read_text() if log.exists() else ""
+    assert state == "COMPLETED", out[-3000:]
+    assert slurm.job_info(job)["Restarts"] == "1"
+    assert "smoke: learner step 5 logged; preempting" in out
+    verdict = [ln for ln in out.splitlines() if ln.startswith("tba_8b_smoke: ")][-1]
+    print("\n" + verdict)
+    assert verdict.startswith("tba_8b_smoke: PASS - 20 steps, requeued once, resumed at step "), verdict
+    assert "sync " in verdict and " per version" in verdict and "step " in verdict and "peak RSS " in verdict
+    resumed = [r["checkpoint/resumed_step"] for r in learner_rows(run_dir) if "checkpoint/resumed_step" in r]
+    assert len(resumed) == 1 and 5 <= resumed[0] < 20
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == total and not summary["preempted"]
+    assert summary["steps"] == 20 and not summary["preempted"]

@@ -153,6 +153,7 @@ n=$(( $(cat "$CALLS" 2>/dev/null || echo 0) + 1 )); echo "$n" > "$CALLS"
 case "$(sed -n "${n}p" "$PLAN")" in
   ok) echo "ran: $*"; exit 0 ;;
   misread) echo "slurmstepd-n2: error: $MISREAD" >&2; echo "Abort: MPI_Init_thread failed" >&2; exit 15 ;;
+  hang) echo "slurmstepd-n2: error: $MISREAD" >&2; exec sleep 300 ;;  # the others wait in MPI_Init
   *) echo "Traceback: something else" >&2; exit 3 ;;
 esac
 """
@@ -161,6 +162,7 @@ esac
 @pytest.mark.parametrize("mpi, plan, rc, calls", [
     ("pmi2", ["misread", "ok"], 0, 2),                   # the split request: started again
     ("pmi2", ["misread", "misread", "ok"], 0, 3),
+    ("pmi2", ["hang", "ok"], 0, 2),                      # ended at once, not after MPI's timeout
     ("pmi2", ["misread", "misread", "misread"], 15, 3),  # at most twice again, then the step's code
     ("pmi2", ["other", "ok"], 3, 1),                     # any other failure ends the job
     ("pmix", ["misread", "ok"], 15, 1),                  # only Slurm's pmi2 plugin has this bug
@@ -173,7 +175,7 @@ def test_step_starts_again_only_after_the_pmi2_misread(tmp_path, mpi, plan, rc, 
     (tmp_path / "plan").write_text("\n".join(plan) + "\n")
     script = (f"set -euo pipefail\n{slurm.STEP_FUNCTION}\n"
               f"step srun --mpi={mpi} --ntasks=2 python -m hpc_tba.run\n")
-    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env={
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60, env={
         **os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "PLAN": str(tmp_path / "plan"),
         "CALLS": str(tmp_path / "calls"), "MISREAD": slurm.PMI2_MISREAD})
     assert out.returncode == rc, out.stderr

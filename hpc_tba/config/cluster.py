@@ -77,6 +77,11 @@ class ClusterConfig:
     """Shell lines the sbatch script runs before srun (module load, venv activation)."""
     env: dict[str, str] = dataclasses.field(default_factory=dict)
     """Extra environment for every rank (e.g. NCCL_SOCKET_IFNAME, NCCL_IB_HCA)."""
+    smoke_preempt_step: int = ranged(0, ge=0, note="0: not a smoke job")
+    """A smoke job (`+experiment=tba_8b_smoke`): once the learner has logged this step on the
+    job's first start, the sbatch script sends USR1 to every rank, as Slurm's --signal does before
+    a time limit (every role checkpoints, rank 0 requeues, the job resumes), and after the run it
+    prints the PASS/FAIL verdict of hpc_tba.launcher.smoke. 0: an ordinary job."""
 
     def __post_init__(self) -> None:
         check_ranges(self, "cluster")
@@ -85,6 +90,9 @@ class ClusterConfig:
         if self.nodes > 1 and not (self.gpus_per_node or self.ranks_per_node):
             raise ValueError(f"cluster.nodes={self.nodes}: set cluster.gpus_per_node (GPU nodes) "
                              "or cluster.ranks_per_node (CPU nodes) so ranks can be placed")
+        if self.smoke_preempt_step and not (self.backend == "slurm" and self.requeue):
+            raise ValueError(f"cluster.smoke_preempt_step={self.smoke_preempt_step} preempts and "
+                             "requeues a Slurm job: it needs cluster.backend=slurm and cluster.requeue=true")
         if not _TIME.match(self.time):
             raise ValueError(f"cluster.time={self.time!r} is not a Slurm time (e.g. 04:00:00, "
                              "2-00:00:00, 90)")

@@ -40,6 +40,11 @@ class RunConfig:
     def __post_init__(self) -> None:
         if self.resume not in ("never", "auto") and not self.resume.startswith(("/", ".", "~")):
             raise ValueError(f"resume={self.resume!r}: use never, auto, or a checkpoint directory path")
+        smoke = self.cluster.smoke_preempt_step
+        if smoke and not (smoke < self.learner.total_steps and self.resume == "auto"):
+            raise ValueError(f"cluster.smoke_preempt_step={smoke}: the smoke job's preemption must come "
+                             f"before learner.total_steps={self.learner.total_steps}, and the requeued "
+                             f"job must resume from it (resume=auto, got resume={self.resume})")
         if self.learner.mode == "sync" and self.searcher.samples_per_prompt < self.searcher.k:
             raise ValueError(f"learner.mode=sync trains on K={self.searcher.k} of each prompt's "
                              f"samples: searcher.samples_per_prompt={self.searcher.samples_per_prompt}"

@@ -23,6 +23,7 @@ PRESETS: dict[str, tuple[str, ...]] = {
     "tba_70b": ("+experiment=tba_70b",),
     "tba_70b_long": ("+experiment=tba_70b_long",),
     "tba_8b": ("+experiment=tba_8b",),
+    "tba_8b_smoke": ("+experiment=tba_8b_smoke",),
     "tiny_cpu": ("cluster=slurm_cpu",),
 }
 

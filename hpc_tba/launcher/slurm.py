@@ -307,6 +307,8 @@ def doctor_command(cfg: RunConfig, overrides: Sequence[str], *, python: str = "p
 
 
 PMI2_MISREAD = "mpi/pmi2: invalid client request"
+PMI2_WATCH_S = 600
+"""How long step() watches a pmi2 step's output for PMI2_MISREAD (the ranks' MPI_Init is over by then)."""
 """What Slurm's pmi2 plugin prints when it split one of MPICH's PMI-1 requests (see STEP_FUNCTION)."""
 
 STEP_FUNCTION = f"""\
@@ -315,14 +317,27 @@ STEP_FUNCTION = f"""\
 # and MPICH's address exchange at MPI_Init puts lines of up to ~1,080 bytes (511 bytes of a
 # 4,096-byte buffer per line, in hex with runs of zeros folded, so the length depends on the
 # bytes: most starts fit, a few do not). The split request reads as
-# "{PMI2_MISREAD}" and the step dies before any rank has done work.
-# Any other failure ends the job with the step's exit code.
+# "{PMI2_MISREAD}"; the rank that sent it dies or hangs and the
+# others wait in MPI_Init, so the step is ended as soon as those words show (they can only come
+# while ranks start: watched for {PMI2_WATCH_S} s) and started again. No rank has done work by
+# then. Any other failure ends the job with the step's exit code.
 step() {{
-  local log rc attempt
+  local log rc attempt pid t
   log="$(mktemp)"
   for attempt in 1 2 3; do
-    "$@" 2>&1 | tee "$log" && {{ rm -f "$log"; return 0; }}
-    rc=${{PIPESTATUS[0]}}
+    : > "$log"
+    "$@" > >(tee -a "$log") 2>&1 &
+    pid=$!
+    if [[ "$1 $2" == "srun --mpi=pmi2" ]]; then
+      for ((t = 0; t < {PMI2_WATCH_S}; t++)); do
+        kill -0 "$pid" 2>/dev/null || break
+        if grep -q "{PMI2_MISREAD}" "$log"; then kill -TERM "$pid"; break; fi
+        sleep 1
+      done
+    fi
+    rc=0
+    wait "$pid" || rc=$?
+    if ((rc == 0)); then rm -f "$log"; return 0; fi
     if [[ "$1 $2" != "srun --mpi=pmi2" ]] || ! grep -q "{PMI2_MISREAD}" "$log" || ((attempt == 3)); then
       rm -f "$log"
       return "$rc"
@@ -392,6 +407,25 @@ def sbatch_script(cfg: RunConfig, overrides: Sequence[str], *, name: str) -> str
         "",
         f'echo "{name}: job $SLURM_JOB_ID restart ${{SLURM_RESTART_COUNT:-0}} on '
         '$SLURM_JOB_NODELIST; tensorboard --logdir $RUN_DIR"',
-        srun_text,
+        *(smoke_lines(cfg, overrides, srun_text) if c.smoke_preempt_step else [srun_text]),
     ]
     return "\n".join(head + body) + "\n"
+
+
+def smoke_lines(cfg: RunConfig, overrides: Sequence[str], srun_text: str) -> list[str]:
+    """A smoke job's run (cluster.smoke_preempt_step): one preemption on the first start, then
+    the verdict (hpc_tba.launcher.smoke), which only the run that finished reaches."""
+    at = cfg.cluster.smoke_preempt_step
+    verdict = " ".join(_sh(a) for a in ["$PYTHON", "-m", "hpc_tba.launcher.smoke", "verdict", "$RUN_DIR",
+                                        *overrides])
+    return [f"# Smoke job: on the first start, USR1 to every rank once the learner logged step {at}",
+            "# (what --signal=USR1@grace sends): every role checkpoints, rank 0 requeues the job, and",
+            "# this script starts again as restart 1, which resumes from that checkpoint.",
+            'if [[ "${SLURM_RESTART_COUNT:-0}" == 0 ]]; then',
+            f'  "$PYTHON" -m hpc_tba.launcher.smoke preempt "$RUN_DIR" {at} &',
+            "  PREEMPT=$!",
+            "fi",
+            srun_text,
+            'kill ${PREEMPT:-} 2>/dev/null || true',
+            "# One line, PASS or FAIL, with the sync time, step time and peak memory per GPU beside the plan's.",
+            verdict + ' "$@"']

@@ -181,3 +181,18 @@ class Timers:
             out[f"util/{k}"] = v / elapsed
         out["util/other"] = max(0.0, 1.0 - sum(self.seconds.values()) / elapsed)
         return out
+
+
+def peak_memory_gib(device) -> float:
+    """This process's peak memory on the role's device, GiB: on a GPU, the most torch's caching
+    allocator held (max_memory_reserved, what the GPU had to give; the smoke job's figure beside
+    the plan's); on CPU the process's peak resident set (ru_maxrss), the only peak there is. Two
+    branches by device, unavoidably: tools/gpu_check.sh reads the GPU one back after a ZeRO-3 step."""
+    import torch
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return torch.cuda.max_memory_reserved(dev) / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30  # Linux: KiB
