@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from hpc_tba.losses.registry import needs
 from hpc_tba.memory import DTYPE_BYTES, ModelSpec, Plan, activation_bytes, logit_bytes
+from hpc_tba.plan_nccl import learner_bytes as nccl_learner_bytes
 
 if TYPE_CHECKING:
     from hpc_tba.config import RunConfig
@@ -124,6 +125,11 @@ def learner_rows(plan: Plan, cfg: RunConfig, spec: ModelSpec, gpus: int, capacit
     total += plan.row("weight-sync send slots (rank 0)", 2 * max(plan.buckets) * (c.num_searchers > 0),
                       f"2 x the largest bucket (learner.sync_bucket_mb {lr.sync_bucket_mb:g})", key="send_slots")
     total += _feed_rows(plan, cfg, gpus)
+    if gpus:  # NCCL's own buffers (hpc_tba.plan_nccl); on CPU the groups are gloo's
+        every, sync, note, sync_note = nccl_learner_bytes(cfg)
+        total += plan.row("NCCL buffers (outside torch's allocator)", every, note, key="nccl")
+        if sync:
+            total += plan.row("NCCL buffers, weight sync (rank 0)", sync, sync_note, key="nccl_sync")
     plan.learner_gib = total / GiB
     if gpus:
         plan.lines.append(f"    {'total':<44} {total / GiB:9.2f} GiB  of {capacity / GiB:.2f} "
@@ -179,7 +185,8 @@ def _learner_refusal(plan: Plan, cfg: RunConfig, spec: ModelSpec, total: float, 
     lr, t = cfg.learner, plan.terms
     head = f"learner needs {total / GiB:.1f} GiB per GPU but {capacity / GiB:.1f} GiB are usable"
     states = t["params"] + t["grads"] + t["optimizer"] + t["reference"]
-    if t["activations"] >= states:
+    # activations are the lever when they are the larger term, or when shrinking them alone would fit
+    if t["activations"] >= states or t["activations"] > total - capacity:
         smaller = " or lower learner.micro_batch_size" if plan.micro_batch > 1 else ""
         if not lr.gradient_checkpointing:
             return (f"{head}: activations without gradient checkpointing take "

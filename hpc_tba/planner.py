@@ -64,6 +64,7 @@ from hpc_tba.memory import (
 )
 from hpc_tba.plan_checkpoint import checkpoint_rows, grace_refusal
 from hpc_tba.plan_learner import learner_rows, micro_batch_of
+from hpc_tba.plan_nccl import engine_bytes as engine_nccl_bytes
 
 if TYPE_CHECKING:
     from hpc_tba.config import RunConfig
@@ -180,9 +181,13 @@ def _staging(plan: Plan, cfg: RunConfig, spec: ModelSpec, gpus: int) -> None:
     plan.row("staging in pinned host memory", st.host_bytes, key="staging_host")
     plan.staging = mode
     worker = _engine_workers(plan, cfg, spec, bucket, gpus)
-    if gpus and max(st.device_bytes, worker) > room:
+    nccl = engine_nccl_bytes(cfg) if gpus else 0  # the weight-sync communicator (hpc_tba.plan_nccl)
+    if nccl:
+        plan.row("NCCL buffers, weight sync (beside vLLM's share)", nccl,
+                 "one ring broadcast per engine GPU", key="nccl_engine")
+    if gpus and max(st.device_bytes, worker) + nccl > room:
         plan.problems.append(
-            f"searcher.staging={mode} needs {max(st.device_bytes, worker) / GiB:.1f} GiB on an engine GPU "
+            f"searcher.staging={mode} needs {(max(st.device_bytes, worker) + nccl) / GiB:.1f} GiB on an engine GPU "
             f"beside vLLM's share, but {room / GiB:.1f} GiB are left ({USABLE_FRACTION:.0%} of "
             f"what gpu_memory_utilization {s.gpu_memory_utilization} leaves): use staging=host or "
             f"stream, a smaller learner.sync_bucket_mb, or lower searcher.gpu_memory_utilization")

@@ -57,7 +57,7 @@ def test_too_small_clusters_are_refused_with_the_reason(overrides, reason):
 
 
 def test_offload_moves_optimizer_states_off_the_gpu():
-    small = ["+experiment=tba_70b", "cluster.nodes=10", "cluster.num_learners=16"]
+    small = ["+experiment=tba_70b", "cluster.nodes=11", "cluster.num_learners=24"]
     plan = make_plan(compose(small), FAST)
     assert not plan.fits and "learner.offload_optimizer=true" in plan.problems[0]
     plan = make_plan(compose([*small, "learner.offload_optimizer=true"]), FAST)
@@ -222,3 +222,37 @@ def test_embedded_spec_matches_the_embedded_model(monkeypatch, tmp_path):
     # before it is built (another cache directory): the recipe gives the same shapes
     unbuilt = compose([f"model.cache_dir={tmp_path}"])
     assert model_spec(unbuilt) == dataclasses.replace(model_spec(cfg), head_dim_override=None)
+
+
+def test_nccl_buffers_follow_the_environment_and_the_layout():
+    """plan_nccl: 10 MiB per connection and channel at NCCL's defaults (4 MiB Simple + 512 KiB LL
+    + 4.6875 MiB LL128, to 2 MiB); cluster.env's NCCL settings change it; the rows enter the
+    learner's total and the engine's room beside vLLM; a CPU plan has none (gloo)."""
+    from hpc_tba.plan_nccl import collective_connections, engine_bytes, learner_bytes, nccl_sizes
+
+    mib = 2**20
+    assert nccl_sizes({}) == nccl_sizes({"NCCL_BUFFSIZE": str(4 * mib)})
+    assert (nccl_sizes({}).connection_bytes, nccl_sizes({}).channels) == (10 * mib, 32)
+    assert nccl_sizes({"NCCL_BUFFSIZE": str(2 * mib)}).connection_bytes == 8 * mib  # 7.1875 -> 8
+    assert nccl_sizes({"NCCL_PROTO": "Simple", "NCCL_MAX_NCHANNELS": "8"}) == type(nccl_sizes({}))(4 * mib, 8)
+    with pytest.raises(ValueError, match="cluster.env.NCCL_BUFFSIZE='4M' is not an integer"):
+        nccl_sizes({"NCCL_BUFFSIZE": "4M"})
+    with pytest.raises(ValueError, match="NCCL_PROTO='\\^LL128'.*unknown: \\^LL128"):
+        nccl_sizes({"NCCL_PROTO": "^LL128"})
+    assert [collective_connections(n) for n in (1, 2, 3, 8, 64)] == [0, 2, 3, 4, 4]
+
+    cfg = compose(["+experiment=tba_70b"])
+    every, sync, _, _ = learner_bytes(cfg)
+    assert every == 32 * 4 * 10 * mib  # the 64 learners' group: ring + 3 tree connections
+    assert sync == 16 * 32 * 10 * mib  # 16 engine groups (one feed each), a ring broadcast each
+    assert engine_bytes(cfg) == 32 * 10 * mib
+    plan = make_plan(cfg, PlanOptions(deepspeed=False))
+    assert plan.terms["nccl"] == every and plan.terms["nccl_sync"] == sync
+    assert plan.terms["nccl_engine"] == engine_bytes(cfg)
+    row = next(ln for ln in plan.lines if "NCCL buffers, weight sync (rank 0)" in ln)
+    assert "5.00 GiB" in row and "16 engine groups of 1 + TP 4" in row
+    fewer = make_plan(compose(["+experiment=tba_70b", "+cluster.env.NCCL_MAX_NCHANNELS=8"]),
+                      PlanOptions(deepspeed=False))
+    assert plan.learner_gib - fewer.learner_gib == pytest.approx((every + sync) * 3 / 4 / 2**30)
+    cpu = make_plan(compose([]), PlanOptions(deepspeed=False))
+    assert "nccl" not in cpu.terms and not any("NCCL" in ln for ln in cpu.lines)

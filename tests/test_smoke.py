@@ -25,7 +25,8 @@ def _run(tmp_path, *, steps=20, resumed_at=6, after=None, summary_steps=20, pree
         rows.append({"step": resumed_at, "checkpoint/resumed_step": resumed_at})
     after = range((resumed_at or 0) + 1, steps + 1) if after is None else after
     rows += [{"step": s, "loss/tb": 1.0, "time/elapsed_s": 2.0 * (s - (resumed_at or 0)),
-              "sync/time_s": 0.25, "sync/engine_time_s": 0.75, "memory/peak_gib": 3.0} for s in after]
+              "sync/time_s": 0.25, "sync/engine_time_s": 0.75, "memory/peak_gib": 3.0,
+              "memory/device_used_gib": 3.5 + 0.01 * s} for s in after]
     (tmp_path / smoke.METRICS).write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 2')
     (tmp_path / "summary.json").write_text(json.dumps({"steps": summary_steps, "preempted": preempted}))
     return str(tmp_path)
@@ -36,7 +37,7 @@ def test_judge_passes_a_run_that_was_preempted_once_and_resumed(tmp_path):
     problems, resumed = smoke.judge(run, total_steps=20, preempt_step=5, restarts=1, checkpoint_step=20)
     assert problems == [] and resumed == 6
     fig = smoke.figures(smoke.learner_rows(run))  # the cut-off last line is skipped
-    assert fig == {"sync_s": 0.25, "engine_sync_s": 0.75, "step_s": 2.0, "peak_gib": 3.0}
+    assert fig == {"sync_s": 0.25, "engine_sync_s": 0.75, "step_s": 2.0, "peak_gib": 3.0, "device_used_gib": 3.7}
 
 
 @pytest.mark.parametrize("kw, run_kw, words", [
@@ -68,8 +69,9 @@ def test_verdict_line_reads_the_checkpoint_and_the_plan(tmp_path):
     plan = make_plan(compose(["+experiment=tba_8b_smoke"]), PlanOptions(deepspeed=False))
     assert ok, line
     assert line == (f"tba_8b_smoke: PASS - 20 steps, requeued once, resumed at step 6; sync 0.25 s per "
-                    f"version (engines receive 0.75 s); step 2.00 s; peak 3.00 GiB per learner GPU "
-                    f"(plan {plan.learner_gib:.2f} GiB)")
+                    f"version (engines receive 0.75 s); step 2.00 s; peak 3.00 GiB per learner GPU in "
+                    f"torch's pool, 3.70 GiB used on the device with NCCL and the CUDA context (plan "
+                    f"{plan.learner_gib:.2f} GiB)")
     ok, line = smoke.verdict(run, ["+experiment=tba_8b_smoke"], restarts=0)
     assert not ok and line.startswith("tba_8b_smoke: FAIL - the job was requeued 0 times, not once; sync ")
 

@@ -11,10 +11,12 @@ starts again and resumes from that checkpoint).
 
 `verdict` reads what the finished run left and prints one line, PASS or FAIL, with the figures a
 user compares with `hpc-tba plan` before the big job: the weight sync's time per version (the
-learner's send, and out-of-process engines' receive), the step time after the resume, and the peak memory per
-learner GPU (torch's peak reserved bytes, logged by the learner as `memory/peak_gib`) next to the
-plan's figure. PASS needs all of: every step trained, the job requeued exactly once, one resume
-from a checkpoint at or after the preemption step, the steps after it continuing from it (not
+learner's send, and out-of-process engines' receive), the step time after the resume, and the
+memory per learner GPU next to the plan's figure: torch's peak reserved bytes (`memory/peak_gib`)
+and the most the device had in use at a logged step (`memory/device_used_gib`, cudaMemGetInfo:
+with NCCL's buffers, which torch does not see, and the CUDA context), each the max over learner
+ranks. PASS needs all of: every step trained, the job requeued exactly once, one resume from a
+checkpoint at or after the preemption step, the steps after it continuing from it (not
 restarted), and a complete checkpoint at the last step. Exit status 0 on PASS, 1 on FAIL.
 """
 from __future__ import annotations
@@ -69,9 +71,11 @@ def figures(rows: list[dict]) -> dict[str, float | None]:
         first, last = timed[0], timed[-1]
         step_s = (last["time/elapsed_s"] - first["time/elapsed_s"]) / max(last["step"] - first["step"], 1)
     peaks = [r["memory/peak_gib"] for r in rows if "memory/peak_gib" in r]
+    used = [r["memory/device_used_gib"] for r in rows if "memory/device_used_gib" in r]
     return {"sync_s": _median([r["sync/time_s"] for r in after if "sync/time_s" in r]),
             "engine_sync_s": _median([r["sync/engine_time_s"] for r in after if r.get("sync/engine_time_s")]),
-            "step_s": step_s, "peak_gib": max(peaks) if peaks else None}
+            "step_s": step_s, "peak_gib": max(peaks) if peaks else None,
+            "device_used_gib": max(used) if used else None}
 
 
 def judge(run_dir: str, *, total_steps: int, preempt_step: int, restarts: int,
@@ -126,7 +130,9 @@ def verdict(run_dir: str, overrides: Sequence[str], *, restarts: int | None = No
     fig = figures(learner_rows(run_dir))
     plan = make_plan(cfg, PlanOptions(deepspeed=False))
     if cfg.cluster.gpus_per_node:
-        memory = f"peak {_fmt(fig['peak_gib'], 'GiB')} per learner GPU (plan {plan.learner_gib:.2f} GiB)"
+        memory = (f"peak {_fmt(fig['peak_gib'], 'GiB')} per learner GPU in torch's pool, "
+                  f"{_fmt(fig['device_used_gib'], 'GiB')} used on the device with NCCL and the CUDA "
+                  f"context (plan {plan.learner_gib:.2f} GiB)")
     else:  # CPU stand-ins: the process's peak RSS; the plan's per-GPU rows count no runtime
         memory = f"peak RSS {_fmt(fig['peak_gib'], 'GiB')} per learner rank (CPU: no GPU figure to compare)"
     where = f"requeued once, resumed at step {resumed_at}" if resumed_at is not None else "no resume"

@@ -39,7 +39,7 @@ from hpc_tba.roles import microbatch, parallel, tensor_parallel
 from hpc_tba.roles.ds_config import deepspeed_config
 from hpc_tba.roles.engines import build_engines
 from hpc_tba.roles.fresh import FreshRewards
-from hpc_tba.roles.logging import RunLogger, Timers, peak_memory_gib
+from hpc_tba.roles.logging import RunLogger, Timers, device_used_gib, peak_memory_gib
 from hpc_tba.roles.policy import PackedBatch, pack, pad_per_token, response_logprobs
 from hpc_tba.topology import Topology
 
@@ -142,7 +142,8 @@ class Learner:
                 metrics.update(self.fresh.closing(self.version, self.cfg.sync_every))
                 metrics["samples/fresh_late"] = float(self.fresh.late)
                 reduced = self._reduce(metrics, sum_prefix=("loss/", "samples/", "fresh/"))
-                reduced |= self._reduce({"memory/peak_gib": peak_memory_gib(self.device)}, op="max")
+                reduced |= self._reduce({"memory/peak_gib": peak_memory_gib(self.device),
+                                         "memory/device_used_gib": device_used_gib(self.device)}, op="max")
                 self.log.scalars(self.step, self._log_fresh(reduced))
                 self.log.progress(self.step, self._postfix(metrics))
             self.preempted, due = self._step_flags()

@@ -196,3 +196,16 @@ def peak_memory_gib(device) -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30  # Linux: KiB
+
+
+def device_used_gib(device) -> float:
+    """GiB in use on the role's GPU as the driver counts it (cudaMemGetInfo: torch's pool, NCCL's
+    buffers, the CUDA context and anything else on the device), sampled now; NaN on CPU (no
+    such figure; reduce_metrics drops a key NaN on every rank)."""
+    import torch
+
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return math.nan
+    free, total = torch.cuda.mem_get_info(dev)
+    return (total - free) / 2**30
