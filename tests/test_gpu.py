@@ -19,6 +19,11 @@
    Needs mpi4py and an MPI launcher (tools/gpu_check.sh: carry their wheels in .whl/).
 5. Engine restarts: an in-process vLLM engine built and closed four times frees the GPU each
    time (needs a CUDA build of vllm; skipped otherwise).
+6. The sync's device ring: learner rank 0's feed sends a GPU learner's versions through its two
+   device pieces (comm/weight_sync/feeds.py).
+7. Ulysses sequence parallelism's kernels: SP 2 over a GQA Llama in bf16 with sdpa, both ranks
+   on this one GPU (the all-to-alls over gloo), equal to the whole sequence to bf16's precision.
+8. The learner's memory figures on the device (torch's peak reserved, the driver's used bytes).
 
 Each test skips, with the reason, where CUDA, deepspeed or a second GPU is missing.
 HPC_TBA_GPU_TESTS_ON_CPU=1 rehearses the file on a CPU machine (gloo, DeepSpeed's CPU
@@ -446,3 +451,81 @@ def test_feeds_send_a_gpu_learners_versions_through_device_pieces():
             assert all(t.numel() == m.piece_numel for t in feed._dev)
     finally:
         _teardown(sender, rx, engine)
+
+
+# ---------------------------------------------------------------- 6: Ulysses attention in bf16
+
+def _ulysses_worker(rank: int, world: int, port: int) -> dict:
+    """Rank r of SP 2 on this one device (gloo moves the CUDA tensors of the all-to-alls): a
+    GQA Llama (8 query heads, 2 key/value heads, head_dim 64) in bf16 under sdpa; the split
+    model's log-probs and gradients against the same model run whole on the same device."""
+    import copy
+
+    from conftest import gloo_group
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hpc_tba.roles import parallel
+
+    device = _device(0)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256,
+                      attn_implementation="sdpa")
+    whole = LlamaForCausalLM(cfg).to(device=device, dtype=torch.bfloat16)
+    split = LlamaForCausalLM(copy.deepcopy(cfg)).to(device=device, dtype=torch.bfloat16)  # enable() edits its config
+    split.load_state_dict(whole.state_dict())
+    ids = torch.randint(0, cfg.vocab_size, (2, 77), generator=torch.Generator().manual_seed(1)).to(device)
+    with gloo_group(rank, world, port):
+        import torch.distributed as dist
+
+        sp = parallel.SequenceParallel(world, rank, dist.new_group(list(range(world))), 0)
+        parallel.enable(split, sp)
+        assert split.config._attn_implementation == parallel.ATTENTION
+        nxt = torch.roll(ids, -1, 1)  # the token each position predicts (the last one's is dropped)
+        want_lp = torch.log_softmax(whole(input_ids=ids).logits.float(), -1).gather(-1, nxt[..., None]).squeeze(-1)
+        want_lp[:, :-1].sum().backward()
+        inputs, start, stop = sp.local_inputs(ids)
+        local = torch.log_softmax(split(**inputs).logits.float(), -1)
+        padded = torch.nn.functional.pad(nxt, (0, (stop - start) * world - ids.shape[1]))
+        lp = local.gather(-1, padded[:, start:stop, None]).squeeze(-1)
+        real = (torch.arange(start, stop, device=device) < ids.shape[1] - 1).float()
+        mine = torch.nn.functional.pad(lp * real, (start, padded.shape[1] - stop))  # zeros elsewhere
+        full = sp.gather_logprobs(mine)  # [B, padded T]: every position's, from its owner
+        full.sum().backward()
+        grads = {}
+        for n, p in split.named_parameters():
+            g = p.grad.float().clone()
+            dist.all_reduce(g)  # the peers' gradients sum to the replica's
+            grads[n] = g
+        lp_err = (full[:, :ids.shape[1] - 1] - want_lp[:, :-1].detach()).abs().max().item()
+        grad_err = max(((grads[n] - p.grad.float()).norm() / p.grad.float().norm().clamp_min(1e-6)).item()
+                       for n, p in whole.named_parameters())
+        dtypes = sorted({str(p.dtype) for p in split.parameters()})
+    return {"lp_err": lp_err, "grad_rel_err": grad_err, "dtypes": dtypes, "device": str(device)}
+
+
+def test_ulysses_attention_bf16_gqa_equals_the_whole_sequence():
+    """Sequence parallelism's kernels on the device: Ulysses SP 2 (roles.parallel) over a GQA
+    model in bf16 with sdpa gives the whole-sequence log-probs and gradients to bf16's precision
+    (one GPU: both ranks on it, the all-to-alls over gloo; NCCL's needs 2 GPUs: the smoke job)."""
+    reports = spawn_ranks(_ulysses_worker, 2, (2, free_ports(1)[0]), timeout_s=240)
+    print(json.dumps(reports))
+    for r in reports:
+        assert r["dtypes"] == ["torch.bfloat16"] and r["device"].startswith(DEVICE)
+        assert r["lp_err"] < 0.1, r  # bf16 logits of a 2-layer model: ~1e-2 apart when split
+        assert r["grad_rel_err"] < 0.05, r
+
+
+def test_learner_memory_figures_on_the_device():
+    """roles.logging's two device branches (the smoke verdict's figures): on a GPU torch's peak
+    reserved bytes and the driver's used bytes, which hold at least that pool; on CPU the peak RSS
+    and NaN."""
+    from hpc_tba.roles.logging import device_used_gib, peak_memory_gib
+
+    x = torch.ones(64 * 2**20, device=_device(0))  # 256 MiB
+    peak, used = peak_memory_gib(x.device), device_used_gib(x.device)
+    if ON_CPU:
+        assert peak > 0.25 and math.isnan(used)
+    else:
+        assert peak >= 0.25 and used >= peak, (peak, used)
+    del x

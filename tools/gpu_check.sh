@@ -7,7 +7,12 @@
 #    pydantic, pydantic-core, annotated-types, typing-inspection, typing-extensions, hjson) into
 #    $GPU_CHECK_SITE (default /tmp/site), without the network, compiling nothing.
 # 2. Prints the GPUs, the driver, and the versions of torch and of every package the tests use.
-# 3. Runs the tests marked `gpu` in tests/test_gpu.py, tests/test_engine_process.py (the engine hop
+# 3. Runs the tests marked `gpu` in tests/test_gpu.py (a ZeRO-3 bf16 engine on CUDA over NCCL:
+#    trains, syncs, resumes; the weight sync with CUDA tensors; the sync's device ring: learner
+#    rank 0's feed broadcasting a GPU learner's versions through its two device pieces; Ulysses
+#    sequence parallelism's kernels in bf16 on a GQA model, SP 2 on this one GPU with the
+#    all-to-alls over gloo; the learner's memory figures, torch's peak and the driver's used
+#    bytes; engine restarts freeing the GPU), tests/test_engine_process.py (the engine hop
 #    into a CUDA worker; TP=2 out of process on 2 GPUs), tests/test_worker_sync.py (a TP=2
 #    out-of-process engine on 2 GPUs whose workers receive the learner's broadcast themselves, the
 #    searcher's process without a CUDA context) and tests/test_weight_staging.py (pinned
@@ -17,6 +22,13 @@
 #    (their mpiexec lands in $GPU_CHECK_SITE/bin, put on PATH here) and skips without them.
 # 4. Runs `hpc-tba doctor` for a node of a 2-node, 1-GPU-per-node layout (CUDA, NCCL, driver,
 #    /dev/shm, host memory against the plan).
+# What one GPU cannot show is the smoke job's part (`sbatch slurm/tba_8b_smoke.sh`, 2 nodes x 8
+# GPUs): NCCL across GPUs and nodes (ZeRO-3's collectives over 8 ranks, SP's all-to-all, the
+# weight sync's per-engine groups and their buffers against the plan's NCCL rows), engines of TP 4
+# out of process, the doctor's cross-node all-reduce, a preemption, requeue and resume, and the
+# sync time, step time and memory per GPU beside `hpc-tba plan`'s. The script prints that list
+# at the end. Meant to finish within 10 minutes on one GPU (GPU_CHECK_TIMEOUT_S, 600, bounds the
+# tests).
 # Exits with pytest's status, else the doctor's (1 if the wheels do not install). Preparing .whl/ (on a machine with
 # pip's registry; it is ignored by git):
 #   cp ~/.cache/pip/wheels/*/*/*/*/deepspeed-0.19.8-py3-none-any.whl .whl/   # or: pip wheel --no-deps deepspeed==0.19.8
@@ -113,6 +125,10 @@ EOF
         tests/test_worker_sync.py tests/test_weight_staging.py -p no:cacheprovider -rA --durations=0 "$@"
     local rc=$?
     echo "gpu_check: pytest exited with $rc"
+    echo "gpu_check: not shown by one GPU, the smoke job's part (sbatch slurm/tba_8b_smoke.sh, 2 nodes x 8 GPUs):"
+    echo "  NCCL across GPUs and nodes (ZeRO-3 over 8 ranks, SP all-to-all, per-engine weight-sync groups),"
+    echo "  TP-4 engines out of process, the doctor's cross-node all-reduce, preemption -> requeue -> resume,"
+    echo "  and its PASS/FAIL line: sync time, step time, memory per GPU beside hpc-tba plan's"
     (( rc == 0 )) && rc=$doctor_rc
     return $rc
 }
