@@ -65,6 +65,7 @@ from hpc_tba.memory import (
 from hpc_tba.plan_checkpoint import checkpoint_rows, grace_refusal
 from hpc_tba.plan_learner import learner_rows, micro_batch_of
 from hpc_tba.plan_nccl import engine_bytes as engine_nccl_bytes
+from hpc_tba.plan_sync import sync_rows
 
 if TYPE_CHECKING:
     from hpc_tba.config import RunConfig
@@ -310,6 +311,7 @@ def make_plan(cfg: RunConfig, opt: PlanOptions = PlanOptions()) -> Plan:
     if c.num_searchers:
         _engine(plan, cfg, spec, gpus)
         _staging(plan, cfg, spec, gpus)
+        sync_rows(plan, cfg)
     checkpoint_rows(plan, cfg, spec)
     _host_rows(plan, cfg, topo)
     if opt.dry_run:

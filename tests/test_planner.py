@@ -256,3 +256,22 @@ def test_nccl_buffers_follow_the_environment_and_the_layout():
     assert plan.learner_gib - fewer.learner_gib == pytest.approx((every + sync) * 3 / 4 / 2**30)
     cpu = make_plan(compose([]), PlanOptions(deepspeed=False))
     assert "nccl" not in cpu.terms and not any("NCCL" in ln for ln in cpu.lines)
+
+
+def test_sync_time_counts_the_star_from_learner_rank_0():
+    """plan_sync: out-of-process engines make every engine's feed send the whole version out of
+    learner rank 0's node; in-process ones share one ring broadcast (issue 41's star, timed)."""
+    from hpc_tba.plan_sync import sync_seconds
+
+    cfg = compose(["+experiment=tba_70b"])
+    plan = make_plan(cfg, PlanOptions(deepspeed=False))
+    version = sum(plan.buckets)
+    out, fast, slow = sync_seconds(cfg, version)
+    assert out == 16 * version and cfg.cluster.network_gbit_per_s == 400 and cfg.cluster.nics_per_node == 4
+    assert slow == pytest.approx(out / 50e9) and fast == pytest.approx(slow / 4)
+    assert plan.sync_s == (fast, slow)
+    assert any("learner rank 0's node sends 2257.72 GB (16 x 141.11 GB" in ln for ln in plan.lines)
+    ring = make_plan(compose(["+experiment=tba_8b"]), PlanOptions(deepspeed=False))
+    assert sync_seconds(compose(["+experiment=tba_8b"]), sum(ring.buckets))[0] == sum(ring.buckets)
+    assert any("one ring broadcast to 8 searchers" in ln for ln in ring.lines)
+    assert make_plan(compose(["cluster.num_searchers=0"]), PlanOptions(deepspeed=False)).sync_s == (0.0, 0.0)

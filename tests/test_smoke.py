@@ -68,8 +68,11 @@ def test_verdict_line_reads_the_checkpoint_and_the_plan(tmp_path):
     ok, line = smoke.verdict(run, ["+experiment=tba_8b_smoke"], restarts=1)
     plan = make_plan(compose(["+experiment=tba_8b_smoke"]), PlanOptions(deepspeed=False))
     assert ok, line
+    fast, slow = plan.sync_s
+    assert 0 < fast <= slow
     assert line == (f"tba_8b_smoke: PASS - 20 steps, requeued once, resumed at step 6; sync 0.25 s per "
-                    f"version (engines receive 0.75 s); step 2.00 s; peak 3.00 GiB per learner GPU in "
+                    f"version (plan {fast:.2f}-{slow:.2f} s, engines receive 0.75 s); step 2.00 s; "
+                    f"peak 3.00 GiB per learner GPU in "
                     f"torch's pool, 3.70 GiB used on the device with NCCL and the CUDA context (plan "
                     f"{plan.learner_gib:.2f} GiB)")
     ok, line = smoke.verdict(run, ["+experiment=tba_8b_smoke"], restarts=0)

@@ -11,13 +11,14 @@ starts again and resumes from that checkpoint).
 
 `verdict` reads what the finished run left and prints one line, PASS or FAIL, with the figures a
 user compares with `hpc-tba plan` before the big job: the weight sync's time per version (the
-learner's send, and out-of-process engines' receive), the step time after the resume, and the
-memory per learner GPU next to the plan's figure: torch's peak reserved bytes (`memory/peak_gib`)
-and the most the device had in use at a logged step (`memory/device_used_gib`, cudaMemGetInfo:
-with NCCL's buffers, which torch does not see, and the CUDA context), each the max over learner
-ranks. PASS needs all of: every step trained, the job requeued exactly once, one resume from a
-checkpoint at or after the preemption step, the steps after it continuing from it (not
-restarted), and a complete checkpoint at the last step. Exit status 0 on PASS, 1 on FAIL.
+learner's send, beside the plan's range from hpc_tba.plan_sync, and out-of-process engines'
+receive), the step time after the resume, and the memory per learner GPU next to the plan's
+figure: torch's peak reserved bytes (`memory/peak_gib`) and the most the device had in use at a
+logged step (`memory/device_used_gib`, cudaMemGetInfo: with NCCL's buffers, which torch does not
+see, and the CUDA context), each the max over learner ranks. PASS needs all of: every step
+trained, the job requeued exactly once, one resume from a checkpoint at or after the preemption
+step, the steps after it continuing from it (not restarted), and a complete checkpoint at the
+last step. Exit status 0 on PASS, 1 on FAIL.
 """
 from __future__ import annotations
 
@@ -136,8 +137,9 @@ def verdict(run_dir: str, overrides: Sequence[str], *, restarts: int | None = No
     else:  # CPU stand-ins: the process's peak RSS; the plan's per-GPU rows count no runtime
         memory = f"peak RSS {_fmt(fig['peak_gib'], 'GiB')} per learner rank (CPU: no GPU figure to compare)"
     where = f"requeued once, resumed at step {resumed_at}" if resumed_at is not None else "no resume"
-    engines = "" if fig["engine_sync_s"] is None else f" (engines receive {fig['engine_sync_s']:.2f} s)"
-    figures_text = (f"sync {_fmt(fig['sync_s'], 's')} per version{engines}; "
+    engines = "" if fig["engine_sync_s"] is None else f", engines receive {fig['engine_sync_s']:.2f} s"
+    fast, slow = plan.sync_s
+    figures_text = (f"sync {_fmt(fig['sync_s'], 's')} per version (plan {fast:.2f}-{slow:.2f} s{engines}); "
                     f"step {_fmt(fig['step_s'], 's')}; {memory}")
     ok = not problems
     head = f"{cfg.name}: {'PASS' if ok else 'FAIL'}"
