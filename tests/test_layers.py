@@ -27,7 +27,7 @@ LAYERS: dict[str, int] = {
     "hpc_tba.roles": 3,
     # 4 assembly: configs composed, ranks set up, roles and engines built; the planner counts them
     "hpc_tba.assembly": 4, "hpc_tba.planner": 4, "hpc_tba.plan_checkpoint": 4, "hpc_tba.plan_dryrun": 4,
-    "hpc_tba.plan_learner": 4,
+    "hpc_tba.plan_learner": 4, "hpc_tba.plan_nccl": 4, "hpc_tba.plan_sync": 4,
     # 5 entry points
     "hpc_tba": 5, "hpc_tba.__main__": 5, "hpc_tba.cli": 5, "hpc_tba.run": 5,
     "hpc_tba.launcher": 5, "hpc_tba.launcher.submit": 5, "hpc_tba.launcher.scripts": 5, "hpc_tba.eval_cli": 5,
