@@ -13,32 +13,18 @@ time went (`util/*`). Everything is read back from the files the run writes: `me
 """
 from __future__ import annotations
 
-import json
 import os
 
 import numpy as np
 
-from hpc_tba.runfiles import read_json
-
-
-def _rows(path: str) -> list[dict]:
-    if not os.path.isfile(path):
-        return []
-    out = []
-    with open(path) as f:
-        for line in f:
-            try:
-                out.append(json.loads(line))
-            except ValueError:  # a line cut by a crash or still being written
-                continue
-    return out
+from hpc_tba.runfiles import read_json, read_jsonl
 
 
 def load_run(run_dir: str) -> dict:
     """The series one run's report draws, from its files (works mid-run too)."""
     if not os.path.isdir(run_dir):
         raise FileNotFoundError(f"{run_dir} is not a run directory")
-    learner = _rows(os.path.join(run_dir, "metrics_learner.jsonl"))
+    learner = read_jsonl(os.path.join(run_dir, "metrics_learner.jsonl"))
     if not learner:
         raise FileNotFoundError(f"{run_dir} has no metrics_learner.jsonl yet (not a run directory, "
                                 "or the learner has not logged a step)")
@@ -56,7 +42,7 @@ def load_run(run_dir: str) -> dict:
     for name in sorted(os.listdir(run_dir)):
         if name.startswith("metrics_searcher") and name.endswith(".jsonl"):
             role = name[len("metrics_"):-len(".jsonl")]
-            rows = [r for r in _rows(os.path.join(run_dir, name)) if "time/elapsed_s" in r]
+            rows = [r for r in read_jsonl(os.path.join(run_dir, name)) if "time/elapsed_s" in r]
             if rows:
                 util[role] = _utils(rows[-1])
     hist = (read_json(os.path.join(run_dir, "histograms_learner.json")) or {}).get("buffer/staleness", {})

@@ -24,6 +24,21 @@ def read_json(path: str) -> dict | None:
         return None
 
 
+def read_jsonl(path: str | os.PathLike) -> list[dict]:
+    """The rows of a metrics_<role>.jsonl, oldest first; [] when absent. A line cut off by a crash
+    or still being written is skipped."""
+    if not os.path.isfile(path):
+        return []
+    out = []
+    with open(path) as f:
+        for line in f:
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+    return out
+
+
 COMPLETE = "COMPLETE"
 """Marker file written last into a checkpoint directory: without it the checkpoint is incomplete."""
 

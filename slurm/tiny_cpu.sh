@@ -40,13 +40,14 @@ export DS_ACCELERATOR="cpu"
 # while ranks start: watched for 600 s) and started again. No rank has done work by
 # then. Any other failure ends the job with the step's exit code.
 step() {
-  local log rc attempt pid t
+  local log rc attempt pid t pmi2=0
+  [[ "$1 $2" == "srun --mpi=pmi2" ]] && pmi2=1
   log="$(mktemp)"
   for attempt in 1 2 3; do
     : > "$log"
     "$@" > >(tee -a "$log") 2>&1 &
     pid=$!
-    if [[ "$1 $2" == "srun --mpi=pmi2" ]]; then
+    if ((pmi2)); then
       for ((t = 0; t < 600; t++)); do
         kill -0 "$pid" 2>/dev/null || break
         if grep -q "mpi/pmi2: invalid client request" "$log"; then kill -TERM "$pid"; break; fi
@@ -56,7 +57,7 @@ step() {
     rc=0
     wait "$pid" || rc=$?
     if ((rc == 0)); then rm -f "$log"; return 0; fi
-    if [[ "$1 $2" != "srun --mpi=pmi2" ]] || ! grep -q "mpi/pmi2: invalid client request" "$log" || ((attempt == 3)); then
+    if ((!pmi2 || attempt == 3)) || ! grep -q "mpi/pmi2: invalid client request" "$log"; then
       rm -f "$log"
       return "$rc"
     fi

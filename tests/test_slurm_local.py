@@ -354,15 +354,14 @@ def test_smoke_job_on_stand_ins_preempts_requeues_resumes_and_passes(slurm, tmp_
     CPU stand-ins (a tiny chat Llama, GSM8K-format data): the doctor, 20 steps, USR1 once the
     learner logged step 5 on the first start, every role checkpoints, rank 0 requeues, the same job
     id resumes from that checkpoint, and the verdict prints PASS with its figures."""
+    from test_presets import GSM8K, _write_jsonl
+
     from hpc_tba.launcher.smoke import learner_rows
     from hpc_tba.models.stand_ins import build_stand_in
 
     data = tmp_path / "gsm8k"
-    data.mkdir()
-    rows = [{"question": f"Tom has {a} apples and buys {b} more. How many apples does he have?",
-             "answer": f"{a} + {b} = {a + b}\n#### {a + b}"} for a in range(3, 15) for b in (2, 5)]
-    for split, part in (("train", rows), ("test", rows[:4])):
-        (data / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
+    _write_jsonl(data / "train.jsonl", GSM8K)
+    _write_jsonl(data / "test.jsonl", GSM8K[:4])
     model = build_stand_in(tmp_path / "llama_chat", "llama", chat=True)
     overrides = ["+experiment=tba_8b_smoke", *SMOKE_CPU, f"model.path={model}", f"task.path={data}"]
     text = sbatch_script(compose(overrides), overrides, name="tba_8b_smoke")

@@ -307,9 +307,9 @@ def doctor_command(cfg: RunConfig, overrides: Sequence[str], *, python: str = "p
 
 
 PMI2_MISREAD = "mpi/pmi2: invalid client request"
+"""What Slurm's pmi2 plugin prints when it split one of MPICH's PMI-1 requests (see STEP_FUNCTION)."""
 PMI2_WATCH_S = 600
 """How long step() watches a pmi2 step's output for PMI2_MISREAD (the ranks' MPI_Init is over by then)."""
-"""What Slurm's pmi2 plugin prints when it split one of MPICH's PMI-1 requests (see STEP_FUNCTION)."""
 
 STEP_FUNCTION = f"""\
 # step: run one srun job step; under --mpi=pmi2, start it again (at most twice) when MPI_Init
@@ -322,13 +322,14 @@ STEP_FUNCTION = f"""\
 # while ranks start: watched for {PMI2_WATCH_S} s) and started again. No rank has done work by
 # then. Any other failure ends the job with the step's exit code.
 step() {{
-  local log rc attempt pid t
+  local log rc attempt pid t pmi2=0
+  [[ "$1 $2" == "srun --mpi=pmi2" ]] && pmi2=1
   log="$(mktemp)"
   for attempt in 1 2 3; do
     : > "$log"
     "$@" > >(tee -a "$log") 2>&1 &
     pid=$!
-    if [[ "$1 $2" == "srun --mpi=pmi2" ]]; then
+    if ((pmi2)); then
       for ((t = 0; t < {PMI2_WATCH_S}; t++)); do
         kill -0 "$pid" 2>/dev/null || break
         if grep -q "{PMI2_MISREAD}" "$log"; then kill -TERM "$pid"; break; fi
@@ -338,7 +339,7 @@ step() {{
     rc=0
     wait "$pid" || rc=$?
     if ((rc == 0)); then rm -f "$log"; return 0; fi
-    if [[ "$1 $2" != "srun --mpi=pmi2" ]] || ! grep -q "{PMI2_MISREAD}" "$log" || ((attempt == 3)); then
+    if ((!pmi2 || attempt == 3)) || ! grep -q "{PMI2_MISREAD}" "$log"; then
       rm -f "$log"
       return "$rc"
     fi

@@ -36,14 +36,9 @@ METRICS = "metrics_learner.jsonl"
 
 def learner_rows(run_dir: str | os.PathLike) -> list[dict]:
     """The learner's logged rows, oldest first (a line cut off by a kill is skipped)."""
-    path = Path(run_dir) / METRICS
-    rows = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows
+    from hpc_tba.runfiles import read_jsonl
+
+    return read_jsonl(Path(run_dir) / METRICS)
 
 
 def preempt(run_dir: str, step: int, *, job_id: str | None = None, poll_s: float = 0.5,
