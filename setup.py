@@ -42,5 +42,5 @@ setup(
         "gpu": PINS["requirements"]("gpu"),
         "test": ["pytest>=8", "pytest-timeout", "hypothesis", "matplotlib", "ruff", "mpich"],
     },
-    entry_points={"console_scripts": ["hpc-tba=hpc_tba.cli:main"]},
+    entry_points={"console_scripts": ["hpc-tba=hpc_tba.cli.main:main"]},
 )

@@ -9,4 +9,4 @@ from hpc_tba.pins import check_installed
 check_installed()
 
 from hpc_tba.assembly.compose import compose  # noqa: E402, F401  (Hydra is imported on first call)
-from hpc_tba.launcher.submit import launch  # noqa: E402, F401  (submitit is imported on first call)
+from hpc_tba.cli.submit import launch  # noqa: E402, F401  (submitit is imported on first call)

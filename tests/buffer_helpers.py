@@ -8,7 +8,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from hpc_tba.buffer.shard import BufferShard
-from hpc_tba.messages import TrajectoryBatch
+from hpc_tba.comm.messages import TrajectoryBatch
 
 
 def make_batch(prompt_id: int, responses: Sequence[Sequence[int]], rewards: Sequence[float], *,

@@ -109,7 +109,7 @@ def _rank_entry(fn, rank: int, args: tuple, results) -> None:
     results.put((rank, value, None))
     results.close()
     results.join_thread()  # the result is in the pipe: the process may end without its teardown
-    from hpc_tba.run import exit_process
+    from hpc_tba.cli.rank import exit_process
 
     exit_process(0)
 

@@ -13,7 +13,7 @@ import torch
 from conftest import spawn_ranks
 
 from hpc_tba.comm.groups import free_ports
-from hpc_tba.topology import Topology
+from hpc_tba.config.topology import Topology
 
 G, K = 3, 3
 OBJECTIVES = {"tb": {}, "topr": {}, "grpo": {"kl_coef": 0.04}, "alol": {}}
@@ -29,7 +29,7 @@ def batch(seed: int = 11):
     """9 sequences in 3 groups: prompt + response lengths 9, 6, 13 | 8, 13, 10 | 10, 11, 10 (odd
     and even, groups of different lengths), micro-batches of 2 that split groups; a micro-batch of
     the last group predicts tokens only from positions >= 8, i.e. on SP rank 1 only."""
-    from hpc_tba.messages import SampledBatch
+    from hpc_tba.comm.messages import SampledBatch
 
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(3, 21, n).astype(np.int32) for n in (4, 7, 9)]

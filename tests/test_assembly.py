@@ -13,10 +13,10 @@ import torch
 from hpc_tba.assembly.compose import compose
 from hpc_tba.assembly.engines import engine_device
 from hpc_tba.assembly.rank import cores_for_rank, setup_rank
-from hpc_tba.launcher import slurm, submit
+from hpc_tba.cli import sbatch, submit
+from hpc_tba.config.topology import LayoutError, Role, Topology
 from hpc_tba.launcher.local import mpiexec_launch, rank_command
-from hpc_tba.planner import make_plan
-from hpc_tba.topology import LayoutError, Role, Topology
+from hpc_tba.plan.planner import make_plan
 
 OFFLINE = ["task=offline", "task.path=/data/rows.jsonl", "algo=sft", "cluster=slurm_cpu",
            "cluster.nodes=2", "cluster.num_learners=2", "cluster.num_searchers=0"]
@@ -46,7 +46,7 @@ def test_offline_layout_is_one_for_the_script_the_planner_and_the_ranks(rank_sta
     cfg = compose(OFFLINE)
     topo = Topology.for_run(cfg)
     assert (topo.num_learners, topo.num_searchers, topo.tasks_per_node) == (2, 0, [1, 1])
-    assert "TASKS=(1 1)" in slurm.sbatch_script(cfg, OFFLINE, name="off")
+    assert "TASKS=(1 1)" in sbatch.sbatch_script(cfg, OFFLINE, name="off")
     assert submit._slurm_parameters(cfg)["ntasks_per_node"] == 1
     plan = make_plan(cfg)
     assert not plan.problems and "ranks 0 (learner, 1 tasks)" in "\n".join(plan.lines)
@@ -64,7 +64,7 @@ def test_a_layout_the_ranks_refuse_is_refused_by_the_script_and_the_planner_too(
     rule was `needs_searchers = num_searchers > 0`) and the job failed only once it ran."""
     cfg = compose(overrides)
     with pytest.raises(LayoutError, match=words):
-        slurm.sbatch_script(cfg, overrides, name="x")
+        sbatch.sbatch_script(cfg, overrides, name="x")
     with pytest.raises(LayoutError, match=words):
         submit._slurm_parameters(cfg)
     assert any(words in p for p in make_plan(cfg).problems)
@@ -101,8 +101,8 @@ def test_learners_get_cores_of_their_own_first():
 
 def test_every_launcher_starts_the_one_rank_command():
     cfg = compose(["+experiment=tba_8b"])
-    assert rank_command(["a=1"]) == [sys.executable, "-m", "hpc_tba.run", "a=1"]
-    srun = slurm.srun_command(cfg, ["a=1"], python="py")
+    assert rank_command(["a=1"]) == [sys.executable, "-m", "hpc_tba.cli.rank", "a=1"]
+    srun = sbatch.srun_command(cfg, ["a=1"], python="py")
     assert srun[-4:] == rank_command(["a=1"], python="py") and srun[0] == "srun"
     cmd, env = mpiexec_launch("/x/mpiexec", 3, ["a=1"], threads=2)
     assert cmd == ["/x/mpiexec", "-n", "3", *rank_command(["a=1"])]

@@ -1,4 +1,4 @@
-"""Staged checkpoint saves (hpc_tba.checkpoint_staging) on a real 1-rank ZeRO-3 engine:
+"""Staged checkpoint saves (hpc_tba.checkpoint.staging) on a real 1-rank ZeRO-3 engine:
 
 (a) training steps go on while a save is copied to the run directory (the copy slowed by the
     test hook), and training waited only for the node-local write;
@@ -27,7 +27,7 @@ DELAY_S = 0.4  # per file copied: DeepSpeed's 2 files + rank0.json + rng + learn
 
 def _watch(run_dir: str, seen: list) -> None:
     """What resume=auto would pick now, and whether it is complete."""
-    from hpc_tba.runfiles import COMPLETE, latest_checkpoint
+    from hpc_tba.checkpoint.runfiles import COMPLETE, latest_checkpoint
 
     p = latest_checkpoint(run_dir)
     seen.append(None if p is None else (os.path.basename(p), os.path.isfile(os.path.join(p, COMPLETE))))
@@ -38,8 +38,8 @@ def _worker(rank: int, port: int, tmp: str) -> None:
                       WORLD_SIZE="1", HPC_TBA_FAULT_SLOW_CKPT_COPY_S=str(DELAY_S))
     import deepspeed
 
-    from hpc_tba import checkpoint
-    from hpc_tba.checkpoint_staging import Checkpointer, staging_dir
+    from hpc_tba.checkpoint import store as checkpoint
+    from hpc_tba.checkpoint.staging import Checkpointer, staging_dir
 
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False,
@@ -105,7 +105,7 @@ def _unloaded_policy(model_dir: Path, root: Path):
     import deepspeed
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from hpc_tba import checkpoint
+    from hpc_tba.checkpoint import store as checkpoint
     from hpc_tba.config import LearnerConfig
     from hpc_tba.models.loading import load_causal_lm
     from hpc_tba.roles.learner import deepspeed_config
@@ -167,6 +167,6 @@ def test_a_policy_built_without_base_weights_resumes_bit_exactly(report):
 
 
 def test_planner_bytes_per_param_is_what_deepspeed_writes(report):
-    from hpc_tba.plan_checkpoint import CHECKPOINT_BYTES_PER_PARAM
+    from hpc_tba.plan.checkpoint import CHECKPOINT_BYTES_PER_PARAM
 
     assert CHECKPOINT_BYTES_PER_PARAM <= report["optim_bytes_per_param"] < CHECKPOINT_BYTES_PER_PARAM + 0.5

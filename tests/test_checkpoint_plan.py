@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from hpc_tba.assembly.compose import compose
-from hpc_tba.launcher import scripts
-from hpc_tba.plan_checkpoint import CHECKPOINT_BYTES_PER_PARAM, GRACE_MARGIN, checkpoint_cost, grace_refusal
-from hpc_tba.planner import KNOWN_MODELS, PlanOptions, check_grace, make_plan, plan_main
+from hpc_tba.cli import scripts
+from hpc_tba.plan.checkpoint import CHECKPOINT_BYTES_PER_PARAM, GRACE_MARGIN, checkpoint_cost, grace_refusal
+from hpc_tba.plan.planner import KNOWN_MODELS, PlanOptions, check_grace, make_plan, plan_main
 
 FAST = PlanOptions(deepspeed=False)
 P70 = KNOWN_MODELS["llama-3.1-70b"].params
@@ -56,7 +56,7 @@ def test_sbatch_and_submitit_refuse_a_short_grace_before_queueing(tmp_path, caps
     with pytest.raises(ValueError, match="shorter than the checkpoint save"):
         check_grace(compose(short))
     pytest.importorskip("submitit")
-    from hpc_tba.launcher.submit import launch
+    from hpc_tba.cli.submit import launch
 
     with pytest.raises(ValueError, match="shorter than the checkpoint save"):
         launch(compose(short), executor="slurm", folder=tmp_path)

@@ -22,8 +22,8 @@ import pytest
 import torch
 from conftest import REPO
 
-from hpc_tba import checkpoint
-from hpc_tba.checkpoint import CheckpointError, load_tensors
+from hpc_tba.checkpoint import store as checkpoint
+from hpc_tba.checkpoint.store import CheckpointError, load_tensors
 
 BATCH, SEQ, VOCAB = 4, 12, 32
 

@@ -104,7 +104,7 @@ def test_the_saved_config_holds_every_field_and_recomposes_the_same(name):
 
 
 def test_launch_overrides_recreate_a_run_of_another_objective():
-    from hpc_tba.launcher.submit import config_overrides
+    from hpc_tba.cli.submit import config_overrides
 
     cfg = compose(["algo=dpo", "algo.dpo_beta=0.2", "learner.total_steps=3"])
     overrides = config_overrides(cfg)

@@ -8,11 +8,11 @@ import textwrap
 import pytest
 from conftest import REPO
 
-from hpc_tba import console
+from hpc_tba.launcher import console
 
 NOISY_RANK = textwrap.dedent("""
     import os, subprocess, sys, warnings
-    from hpc_tba.console import say, setup_rank_output
+    from hpc_tba.launcher.console import say, setup_rank_output
     run_dir, verbose = sys.argv[1], sys.argv[2] == "1"
     path = setup_rank_output(run_dir, 3, verbose=verbose)
     print("third-party stdout line")
@@ -93,7 +93,7 @@ def test_rank_from_environ(env, rank):
 
 
 def test_bytes_written_to_the_buffer_reach_the_log(tmp_path):
-    code = ("import sys; from hpc_tba.console import setup_rank_output; setup_rank_output(sys.argv[1], 0);"
+    code = ("import sys; from hpc_tba.launcher.console import setup_rank_output; setup_rank_output(sys.argv[1], 0);"
             "sys.stdout.buffer.write(b'raw bytes\\n'); sys.stdout.buffer.flush()")
     proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True,
                           timeout=60, env={**os.environ, "PYTHONPATH": REPO})

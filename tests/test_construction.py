@@ -86,7 +86,7 @@ def record(monkeypatch):
 
 def _tiny_model() -> str:
     from hpc_tba.config import ModelConfig, TaskConfig
-    from hpc_tba.models.tiny import resolve_model_path
+    from hpc_tba.tasks.embedded import resolve_model_path
 
     return resolve_model_path(ModelConfig(), TaskConfig())
 

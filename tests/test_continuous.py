@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from hpc_tba.comm.inprocess import InProcessNetwork, InProcessTransport
+from hpc_tba.comm.messages import Done, EvalReport, Stop, TrajectoryBatch
 from hpc_tba.comm.weight_sync import StagedWeights
-from hpc_tba.messages import Done, EvalReport, Stop, TrajectoryBatch
 
 TEMPERATURE = 1.0
 MAX_NEW = 24
@@ -30,7 +30,7 @@ MAX_NEW = 24
 @pytest.fixture(scope="module")
 def model_path() -> str:
     from hpc_tba.config import ModelConfig, TaskConfig
-    from hpc_tba.models.tiny import resolve_model_path
+    from hpc_tba.tasks.embedded import resolve_model_path
 
     return resolve_model_path(ModelConfig(), TaskConfig())
 
@@ -128,9 +128,9 @@ class _Transport(InProcessTransport):
 
 def _searcher(tmp_path, engine, transport, receiver=None, **overrides):
     from hpc_tba.config import TaskConfig
+    from hpc_tba.config.topology import Topology
     from hpc_tba.roles.searcher import Searcher
     from hpc_tba.tasks import build_task
-    from hpc_tba.topology import Topology
 
     engine.cfg = _cfg(**overrides)
     s = Searcher(cfg=engine.cfg, task=build_task(TaskConfig()), engine=engine, receiver=receiver,
@@ -251,9 +251,9 @@ class _Tokenizer:
 
 def test_generation_auto_is_continuous_with_in_flight_updates_and_an_async_learner(tmp_path):
     from hpc_tba.config import SearcherConfig, TaskConfig
+    from hpc_tba.config.topology import Topology
     from hpc_tba.roles.searcher import Searcher
     from hpc_tba.tasks import build_task
-    from hpc_tba.topology import Topology
 
     def continuous(quota=None, **kw):
         s = Searcher(cfg=SearcherConfig(**kw), task=build_task(TaskConfig()), engine=_Tokenizer(),

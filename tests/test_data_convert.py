@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hpc_tba.cli import main
+from hpc_tba.cli.main import main
 from hpc_tba.config import TaskConfig
 from hpc_tba.tasks.convert import hh_rows, tldr_row
 from hpc_tba.tasks.offline import OfflineTask

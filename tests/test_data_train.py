@@ -37,7 +37,7 @@ def test_train_gsm8k_from_the_hub_cache_entry_on_a_fresh_clone(tmp_path):
 
 def test_train_refuses_a_column_the_data_does_not_have_before_starting(tmp_path, capsys):
     pytest.importorskip("pyarrow")
-    from hpc_tba.cli import main
+    from hpc_tba.cli.main import main
 
     repo = gsm8k_repo(tmp_path / "gsm8k")
     with pytest.raises(SystemExit) as e:  # before mpiexec: no rank starts, no run directory

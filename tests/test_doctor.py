@@ -11,15 +11,15 @@ import sys
 import pytest
 
 from hpc_tba.assembly.compose import compose
-from hpc_tba.launcher import doctor
-from hpc_tba.launcher.scripts import PRESETS, preset_script
-from hpc_tba.planner import PlanOptions, make_plan
+from hpc_tba.cli import doctor
+from hpc_tba.cli.scripts import PRESETS, preset_script
+from hpc_tba.plan.planner import PlanOptions, make_plan
 
 SEVENTY_B = "model.path=/models/llama-3.1-70b"  # the planner knows the shape by name: no files needed
 
 
 def _doctor(*args: str, tmp_path) -> tuple[int, str, list[str]]:
-    proc = subprocess.run([sys.executable, "-m", "hpc_tba.launcher.doctor", *args, f"run_dir={tmp_path}/run"],
+    proc = subprocess.run([sys.executable, "-m", "hpc_tba.cli.doctor", *args, f"run_dir={tmp_path}/run"],
                           capture_output=True, text=True, timeout=120)
     return proc.returncode, proc.stdout, [ln for ln in proc.stderr.splitlines() if ln.strip()]
 
@@ -95,8 +95,8 @@ def test_table_folds_rows_every_node_agrees_on():
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_every_sbatch_script_runs_the_doctor_on_every_node_before_the_ranks(name):
     text = preset_script(name)
-    doctor_at = text.index("-m hpc_tba.launcher.doctor")
-    assert doctor_at < text.index("-m hpc_tba.run")
+    doctor_at = text.index("-m hpc_tba.cli.doctor")
+    assert doctor_at < text.index("-m hpc_tba.cli.rank")
     assert doctor_at < text.index('mkdir -p "$RUN_DIR"')  # nothing written before the preflight passed
     line = text[:doctor_at].rsplit("srun", 1)[1]
     nodes = compose(list(PRESETS[name])).cluster.nodes

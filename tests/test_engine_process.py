@@ -164,7 +164,7 @@ def test_channel_into_a_cuda_worker():
 @pytest.fixture(scope="module")
 def model_path() -> str:
     from hpc_tba.config import ModelConfig, TaskConfig
-    from hpc_tba.models.tiny import resolve_model_path
+    from hpc_tba.tasks.embedded import resolve_model_path
 
     return resolve_model_path(ModelConfig(), TaskConfig())
 

@@ -11,9 +11,9 @@ import json
 import numpy as np
 import pytest
 
+from hpc_tba.comm.messages import Done, EvalReport, Stop, TrajectoryBatch
 from hpc_tba.comm.transport import Transport
 from hpc_tba.engine.base import Engine, Group, Sample
-from hpc_tba.messages import Done, EvalReport, Stop, TrajectoryBatch
 
 DIGITS = [ord(c) for c in "0123456789"]
 
@@ -164,9 +164,9 @@ def test_a_python_engine_satisfies_the_protocol_and_vllm_has_its_signatures():
 
 def test_the_real_searcher_runs_a_round_on_a_python_engine(tmp_path):
     from hpc_tba.config import SearcherConfig
+    from hpc_tba.config.topology import Topology
     from hpc_tba.roles.searcher import Searcher
     from hpc_tba.tasks import TaskConfig, build_task
-    from hpc_tba.topology import Topology
 
     cfg = SearcherConfig(prompts_per_round=3, samples_per_prompt=2, k=2, max_new_tokens=4)
     engine, transport, topo = DigitEngine(), _Transport(), Topology.build(3, 2, 1)
@@ -194,8 +194,8 @@ def test_the_real_searcher_runs_a_round_on_a_python_engine(tmp_path):
 
 
 def test_hpc_tba_eval_runs_on_a_python_engine(tmp_path, monkeypatch, capsys):
-    from hpc_tba import eval_cli
     from hpc_tba.assembly import engines
+    from hpc_tba.cli import eval as eval_cli
 
     built = []
 
@@ -288,9 +288,9 @@ class _Continuous(_Transport):
 
 def _continuous(tmp_path, transport, receiver=None, engine=None, **overrides):
     from hpc_tba.config import SearcherConfig
+    from hpc_tba.config.topology import Topology
     from hpc_tba.roles.searcher import Searcher
     from hpc_tba.tasks import TaskConfig, build_task
-    from hpc_tba.topology import Topology
 
     cfg = SearcherConfig(**{"generation": "continuous", "update": "in_flight", "prompts_per_round": 2,
                             "samples_per_prompt": 3, "k": 2, "max_new_tokens": 6, **overrides})
@@ -384,9 +384,9 @@ def test_continuous_is_refused_between_rounds_and_in_sync_mode(tmp_path):
         SearcherConfig(generation="continuous")
     with pytest.raises(ValueError, match="generation"):
         SearcherConfig(generation="always", update="in_flight")
+    from hpc_tba.config.topology import Topology
     from hpc_tba.roles.searcher import Searcher
     from hpc_tba.tasks import TaskConfig, build_task
-    from hpc_tba.topology import Topology
 
     with pytest.raises(ValueError, match="learner.mode=sync"):
         Searcher(cfg=SearcherConfig(generation="continuous", update="in_flight"),

@@ -23,7 +23,7 @@ LEAK_BOUND_MB = KV_MB // 4
 @pytest.fixture(scope="module")
 def model_path() -> str:
     from hpc_tba.config import ModelConfig, TaskConfig
-    from hpc_tba.models.tiny import resolve_model_path
+    from hpc_tba.tasks.embedded import resolve_model_path
 
     return resolve_model_path(ModelConfig(), TaskConfig())
 

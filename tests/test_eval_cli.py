@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from conftest import HPC_TBA
 
+from hpc_tba.cli.eval import EvalArgs, diversity, eval_main, score
 from hpc_tba.config import TaskConfig
-from hpc_tba.eval_cli import EvalArgs, diversity, eval_main, score
 from hpc_tba.tasks.base import Prompt
 from hpc_tba.tasks.metrics import pass_at_k
 from hpc_tba.tasks.redteam import RedTeamTask
@@ -39,7 +39,7 @@ def _eval(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def embedded_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess, Path]:
     from hpc_tba.assembly.compose import compose
-    from hpc_tba.models.tiny import resolve_model_path
+    from hpc_tba.tasks.embedded import resolve_model_path
 
     cfg = compose([])
     resolve_model_path(cfg.model, cfg.task)  # build (or find cached) before timing the CLI
@@ -147,7 +147,7 @@ def test_redteam_eval_reports_diversity(tmp_path: Path) -> None:
 
 def _embedded_path() -> str:
     from hpc_tba.assembly.compose import compose
-    from hpc_tba.models.tiny import resolve_model_path
+    from hpc_tba.tasks.embedded import resolve_model_path
 
     cfg = compose([])
     return resolve_model_path(cfg.model, cfg.task)

@@ -26,7 +26,7 @@ def _worker(rank, world, port, src, out_dir, out):
     import deepspeed
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
-    from hpc_tba import checkpoint
+    from hpc_tba.checkpoint import store as checkpoint
     from hpc_tba.config import LearnerConfig
     from hpc_tba.models.loading import load_causal_lm
     from hpc_tba.roles.learner import deepspeed_config
@@ -64,7 +64,7 @@ def _worker(rank, world, port, src, out_dir, out):
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     from hpc_tba.config import ModelConfig, TaskConfig
-    from hpc_tba.models.tiny import resolve_model_path
+    from hpc_tba.tasks.embedded import resolve_model_path
 
     src = resolve_model_path(ModelConfig(), TaskConfig())
     out_dir = str(tmp_path_factory.mktemp("export") / "final_model")
@@ -144,7 +144,7 @@ def test_layer_groups_of_an_untied_llama_without_deepspeed(tmp_path):
     head is written, and the files round-trip."""
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-    from hpc_tba.checkpoint import export_hf, layer_groups
+    from hpc_tba.checkpoint.store import export_hf, layer_groups
 
     cfg = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                       num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False)

@@ -58,7 +58,7 @@ def test_a_lost_rank_ends_the_job_step_promptly(tmp_path):
             assert time.time() < deadline and proc.poll() is None
             time.sleep(0.5)
         ranks = [p for p in psutil.Process(proc.pid).children(recursive=True)
-                 if "hpc_tba.run" in " ".join(p.cmdline())]
+                 if "hpc_tba.cli.rank" in " ".join(p.cmdline())]
         searcher = max(ranks, key=lambda p: p.pid)
         searcher.send_signal(signal.SIGKILL)
         t0 = time.time()

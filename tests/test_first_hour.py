@@ -32,7 +32,7 @@ def broken_config(tmp_path):
 @pytest.fixture
 def missing_weights(tmp_path):
     from hpc_tba.assembly.compose import compose
-    from hpc_tba.models.tiny import resolve_model_path
+    from hpc_tba.tasks.embedded import resolve_model_path
 
     cfg = compose([])
     d = tmp_path / "noweights"
@@ -73,7 +73,7 @@ def test_default_run_is_quiet_reports_status_and_draws_its_report(default_run):
     after = hpc_tba_status(run_dir)
     assert after["state"] == "finished" and after["step"] == steps == summary["steps"]
     assert after["pass@1"] == {"version": steps, "value": summary["pass@1_after"]}
-    from hpc_tba.checkpoint import latest_checkpoint
+    from hpc_tba.checkpoint.store import latest_checkpoint
 
     assert after["checkpoint"] == latest_checkpoint(str(run_dir)) and after["checkpoint"].startswith(str(run_dir))
     assert 0.45 <= summary["pass@1_before"] <= 0.60  # the warm start's band, measured by vLLM

@@ -5,7 +5,7 @@
    on one GPU); fp32 and bf16 wire, direct shard gathers and GatheredParameters, bit-exact,
    received into device staging (CUDA tensors) and host staging (host memory registered with
    CUDA: pinned).
-2. The learner's engine on CUDA: the tiny Llama of hpc_tba.models.tiny (built here, no
+2. The learner's engine on CUDA: the tiny Llama of hpc_tba.tasks.embedded (built here, no
    download) loaded by hpc_tba.models.loading under ZeRO-3 in bf16, trained a few steps with TB
    then GRPO through hpc_tba.losses.compute_loss (finite, decreasing); the direct shard gathers
    of WeightSender equal GatheredParameters bit-exactly; a checkpoint of the CUDA engine loads
@@ -194,7 +194,7 @@ def test_weight_sync_with_device_tensors(tmp_path, backend):
 def tiny_model(tmp_path_factory) -> str:
     """The embedded tiny Llama, built here (tokenizer, weights, a short warm start)."""
     from hpc_tba.config import ModelConfig, TaskConfig
-    from hpc_tba.models.tiny import ensure_embedded_model
+    from hpc_tba.tasks.embedded import ensure_embedded_model
 
     cache = tmp_path_factory.mktemp("models")
     model = ModelConfig(cache_dir=str(cache), sft_steps=30, warm_start_band=[])  # 30 steps, no band
@@ -278,7 +278,7 @@ def _gathered(engine, deepspeed) -> dict[str, torch.Tensor]:
 
 def _checkpoint_round_trip(engine, path: str, deepspeed, run_dir: str) -> list[str]:
     """Save the CUDA engine, load it weights_only into a fresh one: what differs afterwards."""
-    from hpc_tba import checkpoint
+    from hpc_tba.checkpoint import store as checkpoint
 
     ckpt = checkpoint.save(engine, run_dir=run_dir, step=1, learner_rank=0, shard_state={},
                            learner_state={"step": 1}, keep_last=1)

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from hpc_tba.comm.inprocess import InProcessNetwork, InProcessTransport
+from hpc_tba.comm.messages import TrajectoryBatch
 from hpc_tba.comm.weight_sync import StagedWeights
-from hpc_tba.messages import TrajectoryBatch
 
 TEMPERATURE = 1.0
 MAX_NEW = 40
@@ -26,7 +26,7 @@ MAX_NEW = 40
 @pytest.fixture(scope="module")
 def model_path() -> str:
     from hpc_tba.config import ModelConfig, TaskConfig
-    from hpc_tba.models.tiny import resolve_model_path
+    from hpc_tba.tasks.embedded import resolve_model_path
 
     return resolve_model_path(ModelConfig(), TaskConfig())
 
@@ -82,10 +82,10 @@ class _Transport(InProcessTransport):
 
 def _searcher(tmp_path, model_path, receiver, **overrides):
     from hpc_tba.config import SearcherConfig, TaskConfig
+    from hpc_tba.config.topology import Topology
     from hpc_tba.engine.vllm_engine import VLLMEngine, configure_cpu_env
     from hpc_tba.roles.searcher import Searcher
     from hpc_tba.tasks import build_task
-    from hpc_tba.topology import Topology
 
     configure_cpu_env(core=None, kv_cache_mb=64)
     cfg = SearcherConfig(update="in_flight", max_new_tokens=MAX_NEW, max_model_len=96,

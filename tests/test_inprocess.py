@@ -14,7 +14,7 @@ import pytest
 
 from hpc_tba.assembly.compose import compose
 from hpc_tba.assembly.inprocess import InProcessError, check_config, run_in_process, run_ranks
-from hpc_tba.messages import Done, Stop
+from hpc_tba.comm.messages import Done, Stop
 
 
 class _Ping:

@@ -20,7 +20,7 @@ G, K = 3, 4
 
 
 def _batch():
-    from hpc_tba.messages import SampledBatch
+    from hpc_tba.comm.messages import SampledBatch
 
     rng = np.random.default_rng(5)
     prompts = [rng.integers(3, 21, rng.integers(3, 8)).astype(np.int32) for _ in range(G)]
@@ -55,9 +55,9 @@ class _Group:
 def _learner(tmp: str, loss: str, micro: int, **extra):
     from hpc_tba.buffer import BufferShard
     from hpc_tba.config import BufferConfig, LearnerConfig
+    from hpc_tba.config.topology import Topology
     from hpc_tba.losses import make_config
     from hpc_tba.roles.learner import Learner
-    from hpc_tba.topology import Topology
 
     model = sorted(p for p in glob.glob(os.path.expanduser("~/.cache/hpc_tba/models/tiny-llama-*"))
                    if not p.endswith(".lock"))[0]

@@ -17,7 +17,7 @@ from conftest import gloo_group, spawn_ranks
 
 from hpc_tba.comm import groups
 from hpc_tba.comm.groups import free_ports
-from hpc_tba.topology import Topology
+from hpc_tba.config.topology import Topology
 
 
 # ---------------------------------------------------------------- reduce_metrics on 2 ranks

@@ -19,7 +19,7 @@ from hpc_tba.assembly.compose import CONFIG_PATH_ENV, compose
 from hpc_tba.comm.groups import free_ports
 from hpc_tba.config import ConfigError
 from hpc_tba.losses import LossInputs, compute_loss, group_coupled, loss_units, needs
-from hpc_tba.planner import PlanOptions, make_plan
+from hpc_tba.plan.planner import PlanOptions, make_plan
 
 PLUGIN_CONFIGS = pathlib.Path(__file__).parent / "plugins" / "configs"
 
@@ -91,8 +91,8 @@ def test_dispatcher_preprocessor_and_planner_follow_the_declaration(plugin_path)
 def test_the_saved_config_and_the_launch_overrides_recreate_the_plugin_run(plugin_path):
     from omegaconf import OmegaConf
 
+    from hpc_tba.cli.submit import config_overrides
     from hpc_tba.config import RunConfig, to_yaml
-    from hpc_tba.launcher.submit import config_overrides
 
     cfg = compose(["algo=clipped_pg", "algo.cpg_kl_coef=0.25"])
     saved = OmegaConf.create(to_yaml(cfg))
@@ -114,10 +114,10 @@ def _train_two_steps(algo, run_dir: str, G: int = 2, K: int = 3) -> dict:
     from deepspeed.utils import safe_get_full_fp32_param
 
     from hpc_tba.buffer import BufferShard
+    from hpc_tba.comm.messages import SampledBatch
     from hpc_tba.config import BufferConfig, LearnerConfig
-    from hpc_tba.messages import SampledBatch
+    from hpc_tba.config.topology import Topology
     from hpc_tba.roles.learner import Learner
-    from hpc_tba.topology import Topology
 
     model = sorted(p for p in glob.glob(os.path.expanduser("~/.cache/hpc_tba/models/tiny-llama-*"))
                    if not p.endswith(".lock"))[0]

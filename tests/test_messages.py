@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hpc_tba.messages import Done, EvalReport, ProbeReport, Stop, Tag, TrajectoryBatch
+from hpc_tba.comm.messages import Done, EvalReport, ProbeReport, Stop, Tag, TrajectoryBatch
 
 
 @given(lengths=st.lists(st.integers(1, 9), min_size=1, max_size=6),

@@ -38,7 +38,7 @@ def _worker(rank, world, port, path, fp16_supported, out):
 @pytest.mark.parametrize("fp16_supported", [False, True], ids=["no-fp16-accelerator", "fp16-accelerator"])
 def test_every_parameter_has_the_configured_dtype_on_every_rank(fp16_supported):
     from hpc_tba.config import ModelConfig, TaskConfig
-    from hpc_tba.models.tiny import resolve_model_path
+    from hpc_tba.tasks.embedded import resolve_model_path
 
     path = resolve_model_path(ModelConfig(), TaskConfig())
     out = mp.Manager().dict()

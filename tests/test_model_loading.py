@@ -29,7 +29,7 @@ def _worker(rank, world, port, path, out):
 
 def test_zero3_load_equals_from_pretrained():
     from hpc_tba.config import ModelConfig, TaskConfig
-    from hpc_tba.models.tiny import resolve_model_path
+    from hpc_tba.tasks.embedded import resolve_model_path
 
     path = resolve_model_path(ModelConfig(), TaskConfig())
     with socket.socket() as s:

@@ -6,9 +6,9 @@ import torch
 
 from hpc_tba.assembly.compose import compose
 from hpc_tba.buffer import BufferShard
-from hpc_tba.models.tiny import resolve_model_path
 from hpc_tba.roles.offline import fill_shard, preprocess_file, sequence_logprobs
 from hpc_tba.tasks import build_task
+from hpc_tba.tasks.embedded import resolve_model_path
 from hpc_tba.tasks.offline import read_offline
 from hpc_tba.tasks.records import DataError
 

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from hpc_tba.assembly.compose import compose
-from hpc_tba.planner import PlanOptions, make_plan, plan_main
+from hpc_tba.plan.planner import PlanOptions, make_plan, plan_main
 
 DRY = PlanOptions(deepspeed=False, dry_run=True)
 CHECKS = ("parameters", "largest layer (export gather)", "weight-sync bytes per version",
@@ -72,7 +72,7 @@ def test_held_versions_are_counted_on_learner_rank_0s_node():
 
 
 def test_a_planner_that_drifts_from_the_code_is_refused(monkeypatch):
-    import hpc_tba.planner as planner
+    import hpc_tba.plan.planner as planner
     real = planner.bucket_sizes
     # a planner that forgot that a bucket closes before the parameter that would overflow it
     monkeypatch.setattr(planner, "bucket_sizes", lambda spec, bucket_bytes, wire_bytes: real(
@@ -118,7 +118,7 @@ def test_dry_run_reads_config_json_when_the_model_is_there(tmp_path):
 
 
 def test_cli_dry_run():
-    out = subprocess.run([sys.executable, "-m", "hpc_tba.cli", "plan", "--dry-run", "--no-deepspeed",
+    out = subprocess.run([sys.executable, "-m", "hpc_tba.cli.main", "plan", "--dry-run", "--no-deepspeed",
                           "+experiment=tba_70b", "learner.gradient_checkpointing=false"],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 1, out.stderr

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from hpc_tba.assembly.compose import compose
-from hpc_tba.memory import spec_from_hf_config
-from hpc_tba.planner import KNOWN_MODELS, PlanOptions, make_plan, model_spec, plan_main
+from hpc_tba.plan.memory import spec_from_hf_config
+from hpc_tba.plan.planner import KNOWN_MODELS, PlanOptions, make_plan, model_spec, plan_main
 
 FAST = PlanOptions(deepspeed=False)
 
@@ -185,7 +185,7 @@ def test_staging_that_cannot_fit_is_refused():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_layer_activation_count_matches_what_autograd_saves(dtype):
-    """The per-layer count (hpc_tba.memory) against the tensors a transformers Llama layer keeps."""
+    """The per-layer count (hpc_tba.plan.memory) against the tensors a transformers Llama layer keeps."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=688, num_hidden_layers=1,
@@ -214,7 +214,7 @@ def test_layer_activation_count_matches_what_autograd_saves(dtype):
 def test_embedded_spec_matches_the_embedded_model(monkeypatch, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from hpc_tba.models.tiny import resolve_model_path
+    from hpc_tba.tasks.embedded import resolve_model_path
 
     cfg = compose([])
     built = AutoModelForCausalLM.from_pretrained(resolve_model_path(cfg.model, cfg.task))
@@ -228,7 +228,7 @@ def test_nccl_buffers_follow_the_environment_and_the_layout():
     """plan_nccl: 10 MiB per connection and channel at NCCL's defaults (4 MiB Simple + 512 KiB LL
     + 4.6875 MiB LL128, to 2 MiB); cluster.env's NCCL settings change it; the rows enter the
     learner's total and the engine's room beside vLLM; a CPU plan has none (gloo)."""
-    from hpc_tba.plan_nccl import collective_connections, engine_bytes, learner_bytes, nccl_sizes
+    from hpc_tba.plan.nccl import collective_connections, engine_bytes, learner_bytes, nccl_sizes
 
     mib = 2**20
     assert nccl_sizes({}) == nccl_sizes({"NCCL_BUFFSIZE": str(4 * mib)})
@@ -261,7 +261,7 @@ def test_nccl_buffers_follow_the_environment_and_the_layout():
 def test_sync_time_counts_the_star_from_learner_rank_0():
     """plan_sync: out-of-process engines make every engine's feed send the whole version out of
     learner rank 0's node; in-process ones share one ring broadcast (issue 41's star, timed)."""
-    from hpc_tba.plan_sync import sync_seconds
+    from hpc_tba.plan.sync import sync_seconds
 
     cfg = compose(["+experiment=tba_70b"])
     plan = make_plan(cfg, PlanOptions(deepspeed=False))

@@ -14,7 +14,7 @@ from conftest import HPC_TBA
 
 from hpc_tba.assembly.compose import compose
 from hpc_tba.models.stand_ins import build_reward_model, build_stand_in
-from hpc_tba.planner import PlanOptions, make_plan
+from hpc_tba.plan.planner import PlanOptions, make_plan
 
 PRESETS = {  # preset -> architecture of its paper's model
     "gsm8k_rho1b": "llama", "tldr_pythia": "gpt_neox", "redteam_gpt2": "gpt2",

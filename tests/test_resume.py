@@ -50,7 +50,7 @@ def _wait_for_step(proc, run_dir, step, timeout=600):
 
 def _ranks(proc):
     return [p for p in psutil.Process(proc.pid).children(recursive=True)
-            if "hpc_tba.run" in " ".join(p.cmdline())]
+            if "hpc_tba.cli.rank" in " ".join(p.cmdline())]
 
 
 def _live_pairs(shard):

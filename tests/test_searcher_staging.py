@@ -52,9 +52,9 @@ class _Receiver:
 
 def _searcher(tmp_path, receiver, engines):
     from hpc_tba.config import SearcherConfig, TaskConfig
+    from hpc_tba.config.topology import Topology
     from hpc_tba.roles.searcher import Searcher
     from hpc_tba.tasks import build_task
-    from hpc_tba.topology import Topology
 
     s = Searcher(cfg=SearcherConfig(), task=build_task(TaskConfig()), engine=engines.pop(0),
                  receiver=receiver, transport=None, topo=Topology.build(2, 1, 1), index=0,

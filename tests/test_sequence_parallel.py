@@ -17,7 +17,7 @@ from conftest import gloo_deepspeed
 from parallel_harness import OBJECTIVES, assert_equals_one_rank, build_learner, captured_step, one_and_two_ranks
 from parallel_harness import batch as _batch
 
-from hpc_tba.topology import LayoutError, Topology
+from hpc_tba.config.topology import LayoutError, Topology
 
 
 def _worker(rank: int, world: int, port: int, path: str) -> None:
@@ -184,7 +184,7 @@ def test_local_windows_cover_the_padded_sequence():
 # ---------------------------------------------------------------- planner
 def test_planner_splits_activations_and_names_the_next_lever():
     from hpc_tba.assembly.compose import compose
-    from hpc_tba.planner import PlanOptions, make_plan
+    from hpc_tba.plan.planner import PlanOptions, make_plan
 
     fast = PlanOptions(deepspeed=False)
     long = ["+experiment=tba_70b", "searcher.max_new_tokens=32256", "searcher.max_model_len=32768",

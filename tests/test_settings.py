@@ -132,7 +132,7 @@ def test_engine_runs_with_the_configured_settings(engines, preset):
 
 def test_the_70b_preset_deepspeed_config():
     """The dict the 70B preset's learner hands DeepSpeed: every computing option explicit."""
-    from hpc_tba.planner import micro_batch_of
+    from hpc_tba.plan.planner import micro_batch_of
     from hpc_tba.roles.learner import deepspeed_config
 
     cfg = _cfg("+experiment=tba_70b")
@@ -161,7 +161,7 @@ def test_vllm_engine_runs_with_the_configured_settings():
     sampling parameters of every kind of request read back against the config."""
     from hpc_tba.assembly.engines import build_engine
     from hpc_tba.engine.vllm_engine import NEUTRAL_SAMPLING
-    from hpc_tba.models.tiny import resolve_model_path
+    from hpc_tba.tasks.embedded import resolve_model_path
 
     cfg = _cfg()
     s = cfg.searcher
@@ -217,9 +217,9 @@ class FakeMPI(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         module.COMM_WORLD, module.Is_initialized = world, lambda: True
 
 sys.meta_path.insert(0, FakeMPI())
-import hpc_tba.run as run
+import hpc_tba.cli.rank as run
 from hpc_tba.comm.groups import local_device_index
-from hpc_tba.topology import Topology
+from hpc_tba.config.topology import Topology
 
 def run_rank(cfg):
     rank = int(os.environ["FAKE_MPI_RANK"])
@@ -265,7 +265,7 @@ def test_placement_reads_each_launchers_rank(launcher):
     """Learner rank 13 of the 70B layout: node 1, task 5, GPU 5; the learner's LOCAL_RANK is 0."""
     from hpc_tba.assembly.rank import check_placed_rank, place_devices
     from hpc_tba.comm.groups import local_device_index
-    from hpc_tba.topology import LayoutError, Topology
+    from hpc_tba.config.topology import LayoutError, Topology
 
     cfg = _cfg("+experiment=tba_70b")
     env = dict(launcher)
@@ -292,18 +292,18 @@ def test_a_searcher_engine_gets_its_tp_group():
 def test_a_tp4_searcher_task_gets_cpus_for_its_processes():
     """70B preset: a searcher task runs the searcher (8 threads), the engine core and 4 TP
     workers (1 thread each): 13 CPUs; one srun step gives every task that, learners included."""
-    from hpc_tba.launcher import slurm
-    from hpc_tba.topology import LayoutError
+    from hpc_tba.cli import sbatch
+    from hpc_tba.config.topology import LayoutError
 
     cfg = _cfg("+experiment=tba_70b")
-    assert slurm.role_cpus(cfg) == {"learner": 8, "searcher": 8 + (1 + 4) * 1}
-    assert slurm.cpus_per_task(cfg) == 13 and "--cpus-per-task=13" in slurm.srun_command(cfg, [])
-    assert slurm.role_cpus(_cfg("+experiment=tba_70b", "cluster.engine_threads=2"))["searcher"] == 18
-    assert slurm.cpus_per_task(_cfg("+experiment=tba_8b")) == 8  # TP 1, in-process engine
-    assert slurm.cpus_per_task(_cfg("+experiment=tba_70b", "cluster.cpus_per_node=104")) == 13
+    assert sbatch.role_cpus(cfg) == {"learner": 8, "searcher": 8 + (1 + 4) * 1}
+    assert sbatch.cpus_per_task(cfg) == 13 and "--cpus-per-task=13" in sbatch.srun_command(cfg, [])
+    assert sbatch.role_cpus(_cfg("+experiment=tba_70b", "cluster.engine_threads=2"))["searcher"] == 18
+    assert sbatch.cpus_per_task(_cfg("+experiment=tba_8b")) == 8  # TP 1, in-process engine
+    assert sbatch.cpus_per_task(_cfg("+experiment=tba_70b", "cluster.cpus_per_node=104")) == 13
     with pytest.raises(LayoutError, match="8 tasks x 13 CPUs.*exceed cluster.cpus_per_node=96"):
-        slurm.cpus_per_task(_cfg("+experiment=tba_70b", "cluster.cpus_per_node=96"))
-    text = slurm.sbatch_script(cfg, ["+experiment=tba_70b"], name="x")
+        sbatch.cpus_per_task(_cfg("+experiment=tba_70b", "cluster.cpus_per_node=96"))
+    text = sbatch.sbatch_script(cfg, ["+experiment=tba_70b"], name="x")
     assert 'export OMP_NUM_THREADS="8"' in text and "#SBATCH --cpus-per-task=13" in text
 
 

@@ -16,19 +16,19 @@ import local_slurm
 import pytest
 
 from hpc_tba.assembly.compose import compose
-from hpc_tba.launcher.slurm import PMI2_MISREAD, sbatch_script
+from hpc_tba.cli.sbatch import PMI2_MISREAD, sbatch_script
 
 pytestmark = [pytest.mark.slurm, pytest.mark.mpi]
 REPO = Path(__file__).resolve().parents[1]
 
-# A stand-in for `python -m hpc_tba.run`: the generated script calls "$PYTHON -m hpc_tba.run ...",
+# A stand-in for `python -m hpc_tba.cli.rank`: the generated script calls "$PYTHON -m hpc_tba.cli.rank ...",
 # so HPC_TBA_PYTHON=<this wrapper> runs the probe below with the same overrides on every rank.
 PROBE = textwrap.dedent("""
     import json, os, sys
     from mpi4py import MPI
     from hpc_tba.assembly.compose import compose
     from hpc_tba.launcher.slurm import SlurmEnv, check_placement
-    from hpc_tba.topology import Topology
+    from hpc_tba.config.topology import Topology
     comm = MPI.COMM_WORLD
     overrides = [a for a in sys.argv[1:] if not a.startswith("run_dir=")]
     run_dir = next(a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("run_dir="))
@@ -101,9 +101,9 @@ def _processes_named(marker: str) -> list[int]:
 def _probe_python(tmp_path: Path) -> Path:
     (tmp_path / "probe.py").write_text(PROBE)
     wrapper = tmp_path / "python"
-    # the script's preflight (`-m hpc_tba.launcher.doctor`) runs for real; only the ranks are probed
-    wrapper.write_text(f"#!/bin/bash\n[[ $2 == hpc_tba.run ]] || exec {sys.executable} \"$@\"\n"
-                       f"shift 2  # drop '-m hpc_tba.run'\n"
+    # the script's preflight (`-m hpc_tba.cli.doctor`) runs for real; only the ranks are probed
+    wrapper.write_text(f"#!/bin/bash\n[[ $2 == hpc_tba.cli.rank ]] || exec {sys.executable} \"$@\"\n"
+                       f"shift 2  # drop '-m hpc_tba.cli.rank'\n"
                        f"exec {sys.executable} {tmp_path / 'probe.py'} \"$@\"\n")
     wrapper.chmod(0o755)
     return wrapper
@@ -263,7 +263,7 @@ def test_submitit_preemption_checkpoints_and_requeues(slurm, tmp_path, monkeypat
     """submitit's preemption signal reaches every rank's flag; the requeued job resumes."""
     import cloudpickle
 
-    from hpc_tba.launcher.submit import _RankExecutor
+    from hpc_tba.cli.submit import _RankExecutor
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
     monkeypatch.setenv("SLURM_CONF", str(slurm.conf))
@@ -281,7 +281,7 @@ def test_submitit_preemption_checkpoints_and_requeues(slurm, tmp_path, monkeypat
 
 
 NEEDS_RUN = pytest.mark.skipif(not (REPO / "hpc_tba" / "run.py").exists(),
-                               reason="hpc_tba.run not written yet")
+                               reason="hpc_tba.cli.rank not written yet")
 TINY = ["learner.total_steps=3", "learner.eval_every=0"]
 
 
@@ -307,7 +307,7 @@ def test_sbatch_tiny_cpu_runs_the_entry_point(slurm, tmp_path):
 @NEEDS_RUN
 def test_launch_through_submitit_slurm_executor(slurm, tmp_path, monkeypatch):
     """`hpc_tba.launch(cfg)` on the same cluster: one submitit task per rank, same placement."""
-    from hpc_tba.launcher.submit import launch
+    from hpc_tba.cli.submit import launch
 
     monkeypatch.setenv("SLURM_CONF", str(slurm.conf))
     for attempt in range(3):  # up to two resubmissions, on PMI2_MISREAD only (slurm.STEP_FUNCTION)
@@ -356,7 +356,7 @@ def test_smoke_job_on_stand_ins_preempts_requeues_resumes_and_passes(slurm, tmp_
     id resumes from that checkpoint, and the verdict prints PASS with its figures."""
     from test_presets import GSM8K, _write_jsonl
 
-    from hpc_tba.launcher.smoke import learner_rows
+    from hpc_tba.cli.smoke import learner_rows
     from hpc_tba.models.stand_ins import build_stand_in
 
     data = tmp_path / "gsm8k"
@@ -366,8 +366,8 @@ def test_smoke_job_on_stand_ins_preempts_requeues_resumes_and_passes(slurm, tmp_
     overrides = ["+experiment=tba_8b_smoke", *SMOKE_CPU, f"model.path={model}", f"task.path={data}"]
     text = sbatch_script(compose(overrides), overrides, name="tba_8b_smoke")
     shipped = (REPO / "slurm" / "tba_8b_smoke.sh").read_text()
-    for line in ('  "$PYTHON" -m hpc_tba.launcher.smoke preempt "$RUN_DIR" 5 &', "step srun --mpi=pmi2",
-                 '"$PYTHON" -m hpc_tba.launcher.smoke verdict "$RUN_DIR" +experiment=tba_8b_smoke'):
+    for line in ('  "$PYTHON" -m hpc_tba.cli.smoke preempt "$RUN_DIR" 5 &', "step srun --mpi=pmi2",
+                 '"$PYTHON" -m hpc_tba.cli.smoke verdict "$RUN_DIR" +experiment=tba_8b_smoke'):
         assert line in text and line in shipped  # the shipped script's steps, this layout's numbers
     (tmp_path / "tba_8b_smoke.sh").write_text(text)
     run_dir = tmp_path / "run"

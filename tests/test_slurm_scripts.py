@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from hpc_tba.assembly.compose import compose
-from hpc_tba.launcher import scripts, slurm
-from hpc_tba.topology import LayoutError, Topology
+from hpc_tba.cli import sbatch, scripts
+from hpc_tba.config.topology import LayoutError, Topology
+from hpc_tba.launcher import slurm
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -22,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 def test_checked_in_scripts_equal_the_generator(name):
     path = REPO / "slurm" / f"{name}.sh"
     assert path.read_text() == scripts.preset_script(name), (
-        f"slurm/{name}.sh is stale: run `python -m hpc_tba.launcher.scripts write-scripts`")
+        f"slurm/{name}.sh is stale: run `python -m hpc_tba.cli.scripts write-scripts`")
     assert os.access(path, os.X_OK)
 
 
@@ -49,7 +50,7 @@ def test_golden_70b():
     assert "TASKS=(8 8 8 8 8 8 8 8 2 2 2 2 2 2 2 2)" in text
     assert ("srun --mpi=pmi2 --distribution=arbitrary --ntasks=80 --cpus-per-task=13 "
             "--kill-on-bad-exit=1 \\\n"
-            '  "$PYTHON" -m hpc_tba.run +experiment=tba_70b "run_dir=$RUN_DIR" "$@"\n') in text
+            '  "$PYTHON" -m hpc_tba.cli.rank +experiment=tba_70b "run_dir=$RUN_DIR" "$@"\n') in text
     assert 'export TORCH_NCCL_ASYNC_ERROR_HANDLING="1"' in text
 
 
@@ -57,7 +58,7 @@ def test_the_node_memory_is_asked_for_where_whole_versions_wait_in_host_memory()
     """--mem=0 where the plan holds whole versions in host memory (searchers' host staging, or the
     feeds' held copies for out-of-process engines), and only there."""
     def mem(*overrides):
-        return "#SBATCH --mem=0" in slurm.sbatch_header(compose(["+experiment=tba_8b", *overrides]), "x")
+        return "#SBATCH --mem=0" in sbatch.sbatch_header(compose(["+experiment=tba_8b", *overrides]), "x")
 
     assert not mem("searcher.update=in_flight")
     assert mem("searcher.update=in_flight", "searcher.engine_process=true")
@@ -71,16 +72,16 @@ def test_golden_8b():
     assert "TASKS=(8 8)" in text
     assert ("srun --mpi=pmi2 --distribution=arbitrary --ntasks=16 --cpus-per-task=8 "
             "--kill-on-bad-exit=1 \\\n"
-            '  "$PYTHON" -m hpc_tba.run +experiment=tba_8b "run_dir=$RUN_DIR" "$@"\n') in text
+            '  "$PYTHON" -m hpc_tba.cli.rank +experiment=tba_8b "run_dir=$RUN_DIR" "$@"\n') in text
 
 
 def test_srun_command_and_site_options():
     cfg = compose(["+experiment=tba_8b", "cluster.partition=gpu", "cluster.account=rl",
                    "cluster.mpi=pmix", "+cluster.env.NCCL_SOCKET_IFNAME=ib0"])
-    assert slurm.srun_command(cfg, ["+experiment=tba_8b"]) == [
+    assert sbatch.srun_command(cfg, ["+experiment=tba_8b"]) == [
         "srun", "--mpi=pmix", "--distribution=arbitrary", "--ntasks=16", "--cpus-per-task=8",
-        "--kill-on-bad-exit=1", "python", "-m", "hpc_tba.run", "+experiment=tba_8b"]
-    text = slurm.sbatch_script(cfg, ["+experiment=tba_8b"], name="x")
+        "--kill-on-bad-exit=1", "python", "-m", "hpc_tba.cli.rank", "+experiment=tba_8b"]
+    text = sbatch.sbatch_script(cfg, ["+experiment=tba_8b"], name="x")
     assert "#SBATCH --partition=gpu" in text and "#SBATCH --account=rl" in text
     assert 'export NCCL_SOCKET_IFNAME="ib0"' in text
 
@@ -109,7 +110,7 @@ def test_check_placement_catches_stale_scripts():
         slurm.check_placement(topo, 2, env)
     with pytest.raises(LayoutError, match="regenerate"):
         slurm.check_placement(topo, 1, slurm.SlurmEnv("1", (), "n2", 1, 1, 5, 0, 0, ""))
-    assert slurm.hostfile_lines(topo, ["a", "b", "c"]) == ["a", "b", "c"]
+    assert sbatch.hostfile_lines(topo, ["a", "b", "c"]) == ["a", "b", "c"]
 
 
 def test_cuda_visible_devices_follow_the_topology():
@@ -173,11 +174,11 @@ def test_step_starts_again_only_after_the_pmi2_misread(tmp_path, mpi, plan, rc, 
     (tmp_path / "srun").write_text(FAKE_SRUN)
     (tmp_path / "srun").chmod(0o755)
     (tmp_path / "plan").write_text("\n".join(plan) + "\n")
-    script = (f"set -euo pipefail\n{slurm.STEP_FUNCTION}\n"
-              f"step srun --mpi={mpi} --ntasks=2 python -m hpc_tba.run\n")
+    script = (f"set -euo pipefail\n{sbatch.STEP_FUNCTION}\n"
+              f"step srun --mpi={mpi} --ntasks=2 python -m hpc_tba.cli.rank\n")
     out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60, env={
         **os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "PLAN": str(tmp_path / "plan"),
-        "CALLS": str(tmp_path / "calls"), "MISREAD": slurm.PMI2_MISREAD})
+        "CALLS": str(tmp_path / "calls"), "MISREAD": sbatch.PMI2_MISREAD})
     assert out.returncode == rc, out.stderr
     assert int((tmp_path / "calls").read_text()) == calls
     assert out.stderr.count("starting it again") == (calls - 1)
@@ -186,7 +187,7 @@ def test_step_starts_again_only_after_the_pmi2_misread(tmp_path, mpi, plan, rc, 
 
 def test_every_srun_line_of_a_script_goes_through_step():
     text = scripts.preset_script("tba_70b")
-    assert slurm.STEP_FUNCTION in text
+    assert sbatch.STEP_FUNCTION in text
     assert text.index("step() {") < text.index("step srun")
     assert [ln for ln in text.splitlines() if "srun " in ln and not ln.lstrip().startswith("#")
             and "step()" not in ln and '"srun --mpi=pmi2"' not in ln] == [

@@ -1,4 +1,4 @@
-"""The smoke job's pieces without Slurm (hpc_tba.launcher.smoke): the verdict fails, by name, on
+"""The smoke job's pieces without Slurm (hpc_tba.cli.smoke): the verdict fails, by name, on
 each way a run can go wrong; `preempt` waits for the step and then signals; the preset plans
 FITS and its checks refuse a preemption that cannot happen. The whole job runs on the local Slurm
 in test_slurm_local.py::test_smoke_job_on_stand_ins_preempts_requeues_resumes_and_passes."""
@@ -12,8 +12,8 @@ import time
 import pytest
 
 from hpc_tba.assembly.compose import compose
-from hpc_tba.launcher import smoke
-from hpc_tba.planner import PlanOptions, make_plan
+from hpc_tba.cli import smoke
+from hpc_tba.plan.planner import PlanOptions, make_plan
 
 
 def _run(tmp_path, *, steps=20, resumed_at=6, after=None, summary_steps=20, preempted=False):
@@ -61,7 +61,7 @@ def test_verdict_line_reads_the_checkpoint_and_the_plan(tmp_path):
     ckpt = tmp_path / "checkpoints" / "step_000020"
     ckpt.mkdir(parents=True)
     (ckpt / "learner.json").write_text(json.dumps({"step": 20}))
-    from hpc_tba.runfiles import COMPLETE
+    from hpc_tba.checkpoint.runfiles import COMPLETE
 
     (ckpt / COMPLETE).write_text("")
     (tmp_path / "checkpoints" / "latest").write_text("step_000020")

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from conftest import REPO
 
-from hpc_tba import status
+from hpc_tba.cli import status
 from hpc_tba.roles.logging import RunLogger, Timers
 
 
@@ -76,7 +76,7 @@ def test_status_after_a_finished_run_and_under_slurm(tmp_path, monkeypatch):
 def test_status_cli_on_a_run_dir_and_on_a_missing_one(tmp_path):
     _log_run(tmp_path / "run")
     env = {**os.environ, "PYTHONPATH": REPO}
-    cli = [sys.executable, "-m", "hpc_tba.cli", "status"]
+    cli = [sys.executable, "-m", "hpc_tba.cli.main", "status"]
     out = subprocess.run([*cli, str(tmp_path / "run")], capture_output=True, text=True, env=env, timeout=60)
     assert out.returncode == 0 and "state      finished" in out.stdout, out.stderr
     bad = subprocess.run([*cli, str(tmp_path / "nope")], capture_output=True, text=True, env=env, timeout=60)
@@ -84,7 +84,7 @@ def test_status_cli_on_a_run_dir_and_on_a_missing_one(tmp_path):
 
 
 def test_report_draws_one_run_and_overlays_two(tmp_path):
-    from hpc_tba.plots import draw_report, load_run
+    from hpc_tba.cli.report import draw_report, load_run
 
     _log_run(tmp_path / "a")
     _log_run(tmp_path / "b", offset=0.1)
@@ -100,7 +100,7 @@ def test_report_draws_one_run_and_overlays_two(tmp_path):
 
 
 def test_report_refuses_a_directory_that_is_not_a_run(tmp_path):
-    from hpc_tba.plots import load_run
+    from hpc_tba.cli.report import load_run
 
     with pytest.raises(FileNotFoundError, match="no metrics_learner.jsonl"):
         load_run(str(tmp_path))
@@ -110,7 +110,7 @@ def test_report_cli_redraws_one_run_and_overlays_several(tmp_path):
     _log_run(tmp_path / "sync")
     _log_run(tmp_path / "async", offset=0.1)
     env = {**os.environ, "PYTHONPATH": REPO}
-    cli = [sys.executable, "-m", "hpc_tba.cli", "report"]
+    cli = [sys.executable, "-m", "hpc_tba.cli.main", "report"]
     one = subprocess.run([*cli, str(tmp_path / "sync")], capture_output=True, text=True, env=env, timeout=120)
     assert one.returncode == 0 and (tmp_path / "sync" / "report.png").is_file(), one.stderr
     both = subprocess.run([*cli, str(tmp_path / "sync"), str(tmp_path / "async"), "-o", str(tmp_path / "c.png")],

@@ -13,10 +13,10 @@ import pytest
 from conftest import HPC_TBA
 
 from hpc_tba.assembly.compose import compose
+from hpc_tba.comm.messages import SampledBatch, TrajectoryBatch
 from hpc_tba.config import ConfigError
-from hpc_tba.messages import SampledBatch, TrajectoryBatch
+from hpc_tba.config.topology import Topology
 from hpc_tba.roles.logging import Timers
-from hpc_tba.topology import Topology
 
 STEPS, G = 6, 16
 

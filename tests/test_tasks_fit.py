@@ -91,7 +91,7 @@ def test_offline_drops_recency_and_alol_selects_the_advantage_sampler(tmp_path):
 def test_offline_sampler_is_not_stuck_on_the_last_rows_in_file_order(tmp_path):
     """With recency off, a prompt with more than K rows gets all of them over steps."""
     from hpc_tba.buffer import BufferShard
-    from hpc_tba.messages import TrajectoryBatch
+    from hpc_tba.comm.messages import TrajectoryBatch
 
     f = tmp_path / "d.jsonl"
     f.write_text(json.dumps({"prompt": "p", "response": "r", "reward": 1}) + "\n")

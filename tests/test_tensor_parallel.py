@@ -28,7 +28,7 @@ from parallel_harness import (
 from parallel_harness import batch as _batch
 
 from hpc_tba.comm.groups import free_ports
-from hpc_tba.topology import LayoutError, Topology
+from hpc_tba.config.topology import LayoutError, Topology
 
 
 def _full_grad(p: torch.nn.Parameter) -> torch.Tensor:
@@ -89,7 +89,7 @@ def _worker(rank: int, world: int, port: int, path: str) -> None:
     import deepspeed  # noqa: F401 - DeepSpeed's accelerator before torch.distributed
     from safetensors.torch import load_file
 
-    from hpc_tba import checkpoint
+    from hpc_tba.checkpoint import store as checkpoint
     from hpc_tba.roles import tensor_parallel
 
     torch.set_num_threads(1)
@@ -197,7 +197,7 @@ def test_refusals_by_name():
 # ---------------------------------------------------------------- planner
 def test_planner_splits_layers_and_activations():
     from hpc_tba.assembly.compose import compose
-    from hpc_tba.planner import PlanOptions, format_plan, make_plan
+    from hpc_tba.plan.planner import PlanOptions, format_plan, make_plan
 
     fast = PlanOptions(deepspeed=False)
     for ckpt in ("false", "true"):
@@ -225,7 +225,7 @@ def test_planner_splits_layers_and_activations():
 
 def test_planner_names_tensor_parallelism_when_it_fits():
     from hpc_tba.assembly.compose import compose
-    from hpc_tba.planner import PlanOptions, make_plan
+    from hpc_tba.plan.planner import PlanOptions, make_plan
 
     fast = PlanOptions(deepspeed=False)
     for tokens in range(8192, 65537, 2048):  # the first length the 70B layout refuses
@@ -246,7 +246,7 @@ def test_planner_names_tensor_parallelism_when_it_fits():
 # ---------------------------------------------------------------- data x tensor parallel
 def _dp_tp_worker(rank: int, world: int, port: int, path: str) -> None:
     """world 4: two replicas of TP 2, each its own batch; world 1: both batches at once."""
-    from hpc_tba.messages import SampledBatch
+    from hpc_tba.comm.messages import SampledBatch
 
     torch.set_num_threads(1)
     gloo_deepspeed(rank, world, port)

@@ -10,8 +10,8 @@ from buffer_helpers import make_batch
 
 from hpc_tba.buffer import BufferShard
 from hpc_tba.buffer.log import live_frames
+from hpc_tba.comm.messages import SampledBatch, TrajectoryBatch
 from hpc_tba.config import BufferConfig
-from hpc_tba.messages import SampledBatch, TrajectoryBatch
 
 
 def _mixed(pid: int, responses, versions, rewards=None) -> TrajectoryBatch:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from hpc_tba.config import ClusterConfig
-from hpc_tba.topology import LayoutError, Role, Topology
+from hpc_tba.config.topology import LayoutError, Role, Topology
 
 
 def test_one_machine_roles_and_routing():

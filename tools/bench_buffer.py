@@ -25,8 +25,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hpc_tba.buffer import BufferShard
+from hpc_tba.comm.messages import TrajectoryBatch
 from hpc_tba.config import BufferConfig
-from hpc_tba.messages import TrajectoryBatch
 
 
 def make_batches(n_batches: int, n: int, length: int, prompts: int, *, seed: int = 0) -> list[TrajectoryBatch]:

@@ -95,7 +95,7 @@ class QueueTransport:
         self.tokens = 0
 
     def send(self, dest: int, message) -> None:
-        from hpc_tba.messages import TrajectoryBatch
+        from hpc_tba.comm.messages import TrajectoryBatch
 
         if isinstance(message, TrajectoryBatch):  # control messages are not benchmarked
             self.tokens += int(message.lengths.sum())
@@ -105,7 +105,7 @@ class QueueTransport:
         return self.q.qsize()
 
     def receive(self, kind, *, max_messages=1 << 30):
-        from hpc_tba.messages import Stop
+        from hpc_tba.comm.messages import Stop
 
         return [(0, Stop(0))] if self.stop.is_set() else []
 
@@ -229,9 +229,9 @@ def _patched(module, name: str, value):
 
 def _searcher(cfg, engine, receiver, transport, run_dir: str):
     from hpc_tba.config import TaskConfig
+    from hpc_tba.config.topology import Topology
     from hpc_tba.roles.searcher import Searcher
     from hpc_tba.tasks import build_task
-    from hpc_tba.topology import Topology
 
     return Searcher(cfg=cfg, task=build_task(TaskConfig()), engine=engine, receiver=receiver,
                     transport=transport, topo=Topology.build(2, 1, 1), index=0, run_dir=run_dir)
@@ -414,7 +414,7 @@ def _run_one(args) -> None:
     from hpc_tba.comm.groups import free_ports
     from hpc_tba.config import ModelConfig, TaskConfig
     from hpc_tba.engine.vllm_engine import configure_cpu_env
-    from hpc_tba.models.tiny import resolve_model_path
+    from hpc_tba.tasks.embedded import resolve_model_path
 
     path = resolve_model_path(ModelConfig(), TaskConfig())
     configure_cpu_env(core=None, kv_cache_mb=256)

@@ -22,7 +22,7 @@ process (`--child`), so one measurement's allocations never count in another's p
   own gradient accumulation. Objectives with the same passes share one plain measurement, so
   ours/plain is the learner's own overhead (packing, host syncs, collectives, metrics, the
   chunked log-prob head's recompute);
-- plan:  `hpc_tba.planner.make_plan` for the same config (its learner total per rank, without the
+- plan:  `hpc_tba.plan.planner.make_plan` for the same config (its learner total per rank, without the
   weight-sync send slots that only a run with searchers allocates).
 
 tokens/s: prompt + response tokens of the step / seconds of the timed steps (after one warm-up
@@ -83,7 +83,7 @@ def build_model(size: str) -> str:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from hpc_tba.config import ModelConfig, TaskConfig
-    from hpc_tba.models.tiny import resolve_model_path
+    from hpc_tba.tasks.embedded import resolve_model_path
 
     path = os.path.join(ROOT, size)
     if os.path.isfile(os.path.join(path, "config.json")):
@@ -117,7 +117,7 @@ def make_batch(vocab: int, k: int, seed: int = 0, *, prompt_len: int = PROMPT, r
     """One prompt group of K random responses, every one `prompt_len` + `resp_len` tokens."""
     import numpy as np
 
-    from hpc_tba.messages import SampledBatch
+    from hpc_tba.comm.messages import SampledBatch
 
     rng = np.random.default_rng(seed)
     prompt = rng.integers(3, vocab, prompt_len).astype(np.int32)
@@ -141,8 +141,8 @@ def _rss(field: str) -> int:
 def _ours(cfg, path: str, run_dir: str, batch, *, transport):
     from hpc_tba.buffer import BufferShard
     from hpc_tba.config import resolve_wire_dtype
+    from hpc_tba.config.topology import Topology
     from hpc_tba.roles.learner import Learner
-    from hpc_tba.topology import Topology
 
     shard = BufferShard(cfg.buffer, directory=os.path.join(run_dir, "buffer"))
     lr = dataclasses.replace(cfg.learner, sync_wire_dtype=resolve_wire_dtype(cfg.learner, cfg.searcher))
@@ -297,7 +297,7 @@ def planned(path: str, a, *, k: int, algo: str) -> float:
     The planner plans runs, and a run has searchers (it refuses a layout without one), so the
     plan is made with one searcher and its weight-sync send slots (a term only a run with
     searchers allocates; the measured learner has none) are taken off."""
-    from hpc_tba.planner import PlanOptions, make_plan
+    from hpc_tba.plan.planner import PlanOptions, make_plan
 
     plan = make_plan(run_config(path, k=k, micro=a.micro, algo=algo, checkpointing=a.checkpointing, searchers=1),
                      PlanOptions(deepspeed=False))

@@ -40,7 +40,7 @@ class RecordingTransport:
         self.messages: list[tuple[int, np.ndarray]] = []  # (dest, packed TrajectoryBatch bytes)
 
     def send(self, dest: int, message) -> None:
-        from hpc_tba.messages import TrajectoryBatch
+        from hpc_tba.comm.messages import TrajectoryBatch
 
         if isinstance(message, TrajectoryBatch):  # control messages are not benchmarked
             self.messages.append((dest, message.pack()))
@@ -63,12 +63,12 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+    from hpc_tba.comm.messages import TrajectoryBatch
     from hpc_tba.config import ModelConfig, SearcherConfig, TaskConfig
+    from hpc_tba.config.topology import Topology
     from hpc_tba.engine.vllm_engine import VLLMEngine, configure_cpu_env
-    from hpc_tba.messages import TrajectoryBatch
-    from hpc_tba.models.tiny import resolve_model_path
     from hpc_tba.tasks import build_task
-    from hpc_tba.topology import Topology
+    from hpc_tba.tasks.embedded import resolve_model_path
 
     cfg, task_cfg = SearcherConfig(), TaskConfig()
     path = resolve_model_path(ModelConfig(), task_cfg)

@@ -48,8 +48,8 @@ def child(args: dict) -> dict:
     from hpc_tba.assembly.compose import compose
     from hpc_tba.buffer import BufferShard
     from hpc_tba.config import resolve_wire_dtype
+    from hpc_tba.config.topology import Topology
     from hpc_tba.roles.learner import Learner
-    from hpc_tba.topology import Topology
 
     rank, sp, k = args["rank"], args["sp"], args["k"]
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",

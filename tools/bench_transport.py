@@ -47,7 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 def make_message(responses: int, tokens: int, prompt: int, seed: int = 0):
     import numpy as np
 
-    from hpc_tba.messages import TrajectoryBatch
+    from hpc_tba.comm.messages import TrajectoryBatch
 
     rng = np.random.default_rng(seed)
     n = responses * tokens
@@ -61,7 +61,7 @@ def make_message(responses: int, tokens: int, prompt: int, seed: int = 0):
 
 def exchange_trial(t, batch, count: int) -> float:
     """MPITransport send / receive of `count` messages; rank 0's seconds."""
-    from hpc_tba.messages import Done, TrajectoryBatch
+    from hpc_tba.comm.messages import Done, TrajectoryBatch
 
     t.barrier()
     t0 = time.perf_counter()
@@ -86,7 +86,7 @@ def raw_trial(comm, MPI, buf, count: int) -> float:
     receiver keeps its messages); rank 0's seconds."""
     import numpy as np
 
-    from hpc_tba.messages import Tag
+    from hpc_tba.comm.messages import Tag
 
     bufs = [buf.copy() for _ in range(count)] if comm.Get_rank() == 1 else []
     comm.Barrier()

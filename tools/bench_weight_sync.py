@@ -49,14 +49,12 @@ import sys
 import time
 
 import torch
+from bench_weight_sync_engine import WARMUP, _barrier, named_shapes
 
 from hpc_tba.comm.groups import free_ports
 from hpc_tba.config.learner import LearnerConfig
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-WARMUP = 2  # the receivers' staging pool holds two buffers after two versions: no page faults later
-
 
 def llama_config(params: float):
     """A Llama of about `params` parameters: GPT-2-small width, 32k vocab, untied head."""
@@ -68,18 +66,6 @@ def llama_config(params: float):
     return LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
                        num_attention_heads=12, num_key_value_heads=12, vocab_size=vocab,
                        tie_word_embeddings=False)
-
-
-def named_shapes(cfg) -> list[tuple[str, tuple[int, ...]]]:
-    from transformers import LlamaForCausalLM
-
-    with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
-    return [(n, tuple(p.shape)) for n, p in model.named_parameters()]
-
-
-def _barrier(pg) -> None:
-    pg.allreduce([torch.zeros(1)]).wait()
 
 
 def _build_learner(args, rank: int, port: int, cfg):

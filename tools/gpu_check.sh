@@ -111,8 +111,8 @@ EOF
     # 2-node, 1-GPU-per-node layout (1 learner + 1 engine): CUDA, NCCL, driver, /dev/shm, memory.
     # Not yet run on a GPU (written 2026-12-06 without one); its cross-node all-reduce needs the
     # 2-node smoke job.
-    echo "== hpc-tba doctor (python -m hpc_tba.launcher.doctor, one GPU node of a 2-node layout)"
-    "$PY" -m hpc_tba.launcher.doctor cluster.nodes=2 cluster.gpus_per_node=1 cluster.num_searchers=1 \
+    echo "== hpc-tba doctor (python -m hpc_tba.cli.doctor, one GPU node of a 2-node layout)"
+    "$PY" -m hpc_tba.cli.doctor cluster.nodes=2 cluster.gpus_per_node=1 cluster.num_searchers=1 \
         "run_dir=${TMPDIR:-/tmp}/gpu_check_doctor"
     local doctor_rc=$?
     echo "gpu_check: doctor exited with $doctor_rc"

@@ -21,7 +21,7 @@ PINS="$ROOT/hpc_tba/pins.py"
 GPU_CONSTRAINTS="$ROOT/constraints/gpu.txt"
 STAMP="$VENV/.hpc_tba_installed"
 STAMP_KEY="$(cat "$ROOT/setup.py" "$0" "$PINS" "$GPU_CONSTRAINTS" | sha256sum | cut -c1-16)"
-# Per environment: the compiled op embeds this venv's include paths (hpc_tba.cli uses the same).
+# Per environment: the compiled op embeds this venv's include paths (hpc_tba.cli.main uses the same).
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$VENV/torch_extensions}"
 
 log() { echo "[install] $*" >&2; }

@@ -21,8 +21,8 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hpc_tba.assembly.compose import compose
-    from hpc_tba.models.tiny import resolve_model_path
     from hpc_tba.tasks import build_task
+    from hpc_tba.tasks.embedded import resolve_model_path
     from hpc_tba.tasks.offline import OfflineExample, write_offline
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -39,7 +39,7 @@ def record(path: str, *, vocab: int = 21, seed: int = 0) -> None:
 
 
 def replay(path: str):
-    from hpc_tba.messages import TrajectoryBatch
+    from hpc_tba.comm.messages import TrajectoryBatch
 
     rec = np.load(path)
     for p in range(len({k.split("/")[0] for k in rec.files})):
@@ -63,9 +63,9 @@ def weight_sums(module) -> list[float]:
 def learner_side(cfg, transport, topo, groups, out_dir: str) -> dict:
     import torch
 
-    from hpc_tba import checkpoint
     from hpc_tba.assembly.build import build_learner
-    from hpc_tba.models.tiny import resolve_model_path
+    from hpc_tba.checkpoint import store as checkpoint
+    from hpc_tba.tasks.embedded import resolve_model_path
 
     learner = build_learner(cfg, transport, topo, groups, resolve_model_path(cfg.model, cfg.task), None)
     n_traj = transport.bcast_json(None, root=1)["sent"]

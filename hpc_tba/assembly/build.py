@@ -11,15 +11,15 @@ import os
 
 from hpc_tba.assembly.rank import RankSetup
 from hpc_tba.config import RunConfig
-from hpc_tba.topology import Role, Topology
+from hpc_tba.config.topology import Role, Topology
 
 
 def build_role(cfg: RunConfig, rank: RankSetup):
     """The Learner or Searcher of this rank, built and ready to `run()`."""
     from hpc_tba.assembly.engines import engine_device
     from hpc_tba.comm.groups import setup_groups
-    from hpc_tba.models.tiny import resolve_model_path
     from hpc_tba.tasks import build_task
+    from hpc_tba.tasks.embedded import resolve_model_path
 
     transport, topo = rank.transport, rank.topology
     model_path = resolve_model_path(cfg.model, cfg.task)
@@ -34,8 +34,8 @@ def build_learner(cfg: RunConfig, transport, topo: Topology, groups, model_path:
     """The learner of this rank: its buffer shard, DeepSpeed engine, resumed state, the set-up
     broadcast to the searchers (manifest, probe, resumed step)."""
     from hpc_tba.buffer import BufferShard
-    from hpc_tba.checkpoint import resolve_resume
-    from hpc_tba.checkpoint_staging import staging_dir
+    from hpc_tba.checkpoint.staging import staging_dir
+    from hpc_tba.checkpoint.store import resolve_resume
     from hpc_tba.config import resolve_wire_dtype, to_yaml
     from hpc_tba.roles.learner import Learner
 

@@ -128,8 +128,8 @@ def run_in_process(cfg) -> dict:
     from hpc_tba.assembly.build import build_role
     from hpc_tba.assembly.compose import write_run_config
     from hpc_tba.assembly.rank import install_run_signals, setup_rank
+    from hpc_tba.config.topology import Topology
     from hpc_tba.launcher.slurm import PreemptionFlag
-    from hpc_tba.topology import Topology
 
     check_config(cfg)
     topo = Topology.for_run(cfg, cfg.cluster.num_learners + cfg.cluster.num_searchers)

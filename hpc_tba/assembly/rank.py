@@ -1,11 +1,11 @@
 """One rank set-up: everything a rank does before building its role, in one call.
 
-`setup_rank(cfg)` is called once per rank by hpc_tba.run (and by tools/role_check.py):
+`setup_rank(cfg)` is called once per rank by hpc_tba.cli.rank (and by tools/role_check.py):
 
 1. the GPU placement (`place_devices`: CUDA_VISIBLE_DEVICES from the layout and the launcher's
    rank variables, SLURM_PROCID / SLURM_LOCALID or Open MPI's, MPICH's, PMIx's, Cray's), BEFORE
    mpi4py is imported: a CUDA-aware MPI (Open MPI/UCX, MVAPICH2-GDR, Cray MPICH) initialises
-   CUDA inside MPI_Init, after which every rank of a node would see GPU 0 (hpc_tba.run places
+   CUDA inside MPI_Init, after which every rank of a node would see GPU 0 (hpc_tba.cli.rank places
    even earlier, before its own MPI start);
 2. the transport (MPI unless one is passed: anything with `rank` and `size`), and the check
    that MPI's rank is the rank the GPUs were given for,
@@ -23,6 +23,7 @@ import signal
 from collections.abc import MutableMapping
 from typing import Any
 
+from hpc_tba.config.topology import LayoutError, Role, Topology
 from hpc_tba.launcher.slurm import (
     PreemptionFlag,
     SlurmEnv,
@@ -31,7 +32,6 @@ from hpc_tba.launcher.slurm import (
     install_preemption_handler,
     preemption_signals,
 )
-from hpc_tba.topology import LayoutError, Role, Topology
 
 # The launcher's names for this process's rank, node-local index and job size before MPI starts,
 # first match wins: Open MPI's mpirun, MPICH/Hydra and Intel MPI (PMI_*, MPI_LOCALRANKID), PMIx
@@ -56,7 +56,7 @@ def place_devices(cfg, environ: MutableMapping[str, str] | None = None) -> int |
     `Topology.devices_of(rank)`: a learner's one GPU, or its engine's TP group. The launcher's
     node-local index must be the layout's (else the ranks were placed otherwise than the layout
     says and GPUs would be shared). Returns the rank the GPUs were given for; None when the
-    cluster has no GPUs. A second call (hpc_tba.run, then setup_rank) computes the same.
+    cluster has no GPUs. A second call (hpc_tba.cli.rank, then setup_rank) computes the same.
     """
     env = os.environ if environ is None else environ
     if not cfg.cluster.gpus_per_node:

@@ -1,7 +1,7 @@
 """One replay-buffer shard: the learner rank's view of the buffer.
 
 A shard owns the prompts with `prompt_id % num_shards == shard_id` (the routing rule of
-`hpc_tba.topology`), stores their responses packed (`storage.Store`), samples batches for the
+`hpc_tba.config.topology`), stores their responses packed (`storage.Store`), samples batches for the
 learner (`samplers`), tracks staleness, and — given a directory — logs every accepted response to
 append-only segment files (`log.ShardLog`), so a restart, a preemption or a different number of
 learner ranks rebuilds the same contents.
@@ -30,8 +30,8 @@ from hpc_tba.buffer.segments import (
     read_segment,
 )
 from hpc_tba.buffer.storage import Store
+from hpc_tba.comm.messages import SampledBatch, TrajectoryBatch
 from hpc_tba.config import BufferConfig
-from hpc_tba.messages import SampledBatch, TrajectoryBatch
 
 STATE_VERSION = 1
 

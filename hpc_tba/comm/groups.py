@@ -13,7 +13,7 @@ import socket
 
 from hpc_tba.comm.transport import Transport
 from hpc_tba.comm.weight_sync import GROUP_TIMEOUT_S, new_group
-from hpc_tba.topology import Role, Topology
+from hpc_tba.config.topology import Role, Topology
 
 
 def resolve_backend(name: str) -> str:

@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from hpc_tba.comm.messages import Tag
 from hpc_tba.comm.transport import MessageEndpoint
-from hpc_tba.messages import Tag
 
 
 class TransportAborted(RuntimeError):

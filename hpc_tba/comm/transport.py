@@ -1,6 +1,6 @@
 """Message transport between roles: the `Transport` protocol and its MPI implementation.
 
-What crosses it is a typed message of hpc_tba.messages (trajectories, EVAL, STOP, DONE, PROBE:
+What crosses it is a typed message of hpc_tba.comm.messages (trajectories, EVAL, STOP, DONE, PROBE:
 the table is there), packed to raw bytes, never pickled, plus one JSON broadcast / all-gather at
 setup (addresses, the weight manifest). Roles are typed to `Transport`; `MPITransport` runs a job
 of processes, `hpc_tba.comm.inprocess.InProcessTransport` runs every rank as a thread of one
@@ -22,7 +22,7 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
-from hpc_tba.messages import Message, Tag, TrajectoryBatch
+from hpc_tba.comm.messages import Message, Tag, TrajectoryBatch
 
 M = TypeVar("M", bound=Message)
 

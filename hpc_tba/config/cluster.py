@@ -81,7 +81,7 @@ class ClusterConfig:
     """A smoke job (`+experiment=tba_8b_smoke`): once the learner has logged this step on the
     job's first start, the sbatch script sends USR1 to every rank, as Slurm's --signal does before
     a time limit (every role checkpoints, rank 0 requeues, the job resumes), and after the run it
-    prints the PASS/FAIL verdict of hpc_tba.launcher.smoke. 0: an ordinary job."""
+    prints the PASS/FAIL verdict of hpc_tba.cli.smoke. 0: an ordinary job."""
 
     def __post_init__(self) -> None:
         check_ranges(self, "cluster")

@@ -1,9 +1,9 @@
 """The rank command, and how this machine starts every rank of a job with mpiexec.
 
-One rank command (`rank_command`: `python -m hpc_tba.run <overrides>`) is what every launcher
+One rank command (`rank_command`: `python -m hpc_tba.cli.rank <overrides>`) is what every launcher
 starts on each rank: `hpc-tba train` and submitit's local executor through `mpiexec_launch`
 here, the generated sbatch scripts through `launcher.slurm.srun_command`; submitit's Slurm
-executor calls the same entry (`hpc_tba.run.main`) in each task.
+executor calls the same entry (`hpc_tba.cli.rank.main`) in each task.
 """
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import shutil
 import sys
 from collections.abc import Sequence
 
-ENTRY = "hpc_tba.run"
-"""The per-rank entry module (hpc_tba/run.py)."""
+ENTRY = "hpc_tba.cli.rank"
+"""The per-rank entry module (hpc_tba/cli/rank.py)."""
 
 
 def rank_command(overrides: Sequence[str], *, python: str | None = None) -> list[str]:

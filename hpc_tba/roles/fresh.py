@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-from hpc_tba.messages import TrajectoryBatch
+from hpc_tba.comm.messages import TrajectoryBatch
 
 CLOSE_SYNCS = 2
 """Syncs after version v at which v is logged: by then the searchers have moved on to later

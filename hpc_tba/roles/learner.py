@@ -26,22 +26,22 @@ import time
 import numpy as np
 import torch
 
-from hpc_tba import checkpoint
 from hpc_tba.buffer import BufferShard, staleness_lags
-from hpc_tba.checkpoint_staging import Checkpointer
+from hpc_tba.checkpoint import store as checkpoint
+from hpc_tba.checkpoint.staging import Checkpointer
+from hpc_tba.comm.messages import Done, EvalReport, ProbeReport, SampledBatch, Stop, TrajectoryBatch
 from hpc_tba.comm.metrics import reduce_metrics
 from hpc_tba.comm.transport import Transport
 from hpc_tba.comm.weight_sync import FLAG_EVAL, GROUP_TIMEOUT_S, Manifest, WeightSender
 from hpc_tba.config import AlgoConfig, LearnerConfig
+from hpc_tba.config.topology import Topology
 from hpc_tba.losses import LossInputs, loss_units, needs
-from hpc_tba.messages import Done, EvalReport, ProbeReport, SampledBatch, Stop, TrajectoryBatch
 from hpc_tba.roles import microbatch, parallel, tensor_parallel
 from hpc_tba.roles.ds_config import deepspeed_config
 from hpc_tba.roles.engines import build_engines
 from hpc_tba.roles.fresh import FreshRewards
 from hpc_tba.roles.logging import RunLogger, Timers, device_used_gib, peak_memory_gib
 from hpc_tba.roles.policy import PackedBatch, pack, pad_per_token, response_logprobs
-from hpc_tba.topology import Topology
 
 __all__ = ["Learner", "deepspeed_config", "role_device"]  # deepspeed_config: its old home, still imported
 

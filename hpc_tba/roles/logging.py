@@ -4,7 +4,7 @@ and the role's time accounting (`Timers`: where its wall-clock time went).
 Each role writes its own TensorBoard directory under `<run_dir>/tb/<name>` (learner, searcher0,
 ...), so TensorBoard pointed at `<run_dir>/tb` shows them as separate runs; `metrics_<name>.jsonl`
 holds the same scalars for tools and tests, `histograms_<name>.json` the counts of integer-valued
-histograms (the staleness lags) for hpc_tba.plots. The learner's logger also keeps
+histograms (the staleness lags) for hpc_tba.cli.report. The learner's logger also keeps
 `<run_dir>/status.json` (replaced atomically, at most every STATUS_EVERY_S and at the end): the
 latest step, policy version, buffer, staleness, checkpoint and held-out pass@1 that
 `hpc-tba status` reads, plus the process and Slurm job that wrote it.
@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from hpc_tba.runfiles import write_json_atomic
+from hpc_tba.checkpoint.runfiles import write_json_atomic
 
 STATUS_EVERY_S = 1.0
 """Shortest interval between two writes of status.json."""
@@ -45,7 +45,7 @@ class RunLogger:
             return
         from torch.utils.tensorboard import SummaryWriter
 
-        from hpc_tba.console import terminal
+        from hpc_tba.launcher.console import terminal
 
         os.makedirs(os.path.join(run_dir, "tb", name), exist_ok=True)
         self._writer = SummaryWriter(os.path.join(run_dir, "tb", name), flush_secs=10)

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from hpc_tba.messages import TrajectoryBatch
+from hpc_tba.comm.messages import TrajectoryBatch
 from hpc_tba.roles.policy import pack, response_logprobs
 
 

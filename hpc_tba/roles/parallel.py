@@ -1,7 +1,7 @@
 """The learner's parallel layouts beyond ZeRO-3 data parallelism: Ulysses sequence parallelism,
 and the replica peers it shares with tensor parallelism (hpc_tba.roles.tensor_parallel).
 
-Layout (hpc_tba.topology): the L learner ranks form D = L / SP data-parallel replicas of SP
+Layout (hpc_tba.config.topology): the L learner ranks form D = L / SP data-parallel replicas of SP
 consecutive ranks each (SP peers sit on one node). A replica's SP peers hold the same sampled
 batch (its leader, SP rank 0, owns the buffer shard and broadcasts each step's batch to the
 others: `SequenceParallel.share_batch`), run the same micro-batches in lockstep, and split every
@@ -246,7 +246,7 @@ def _rebuild(y: torch.Tensor, version: int, group, sp: int, view: tuple) -> torc
 
 
 def peer_groups(size: int, num_learners: int, lrank: int, *, timeout_s: float, field: str) -> Peers:
-    """This learner's peers: groups of `size` consecutive learner ranks (hpc_tba.topology's
+    """This learner's peers: groups of `size` consecutive learner ranks (hpc_tba.config.topology's
     replicas). Every learner rank calls it: it makes every group, in order, with the learners'
     collective timeout."""
     if size < 1 or num_learners % size:

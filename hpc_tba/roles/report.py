@@ -31,6 +31,6 @@ def summary_lines(s: dict, *, run_dir: str | None = None, report: str | None = N
 
 
 def print_summary(s: dict, *, run_dir: str | None = None, report: str | None = None) -> None:
-    from hpc_tba.console import say
+    from hpc_tba.launcher.console import say
 
     say("\n".join(summary_lines(s, run_dir=run_dir, report=report)), stream="out")

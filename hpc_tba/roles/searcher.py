@@ -60,15 +60,15 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
+from hpc_tba.comm.messages import Done, EvalReport, ProbeReport, Stop, TrajectoryBatch
 from hpc_tba.comm.transport import Transport
 from hpc_tba.comm.weight_sync import StagedWeights, WeightReceiver
 from hpc_tba.config import SearcherConfig
+from hpc_tba.config.topology import Topology
 from hpc_tba.engine.base import Engine
-from hpc_tba.messages import Done, EvalReport, ProbeReport, Stop, TrajectoryBatch
 from hpc_tba.roles.continuous import ContinuousGeneration, Window
 from hpc_tba.roles.logging import RunLogger, Timers
 from hpc_tba.tasks import Task
-from hpc_tba.topology import Topology
 
 
 class Searcher(ContinuousGeneration):

@@ -1,6 +1,6 @@
 """Learner tensor parallelism: DeepSpeed AutoTP inside a node (`learner.tensor_parallel_size`).
 
-Layout (hpc_tba.topology): the L learner ranks form D = L / TP data-parallel replicas of TP
+Layout (hpc_tba.config.topology): the L learner ranks form D = L / TP data-parallel replicas of TP
 consecutive ranks on one node, exactly like sequence parallelism's replicas (roles.parallel.Peers):
 the replica's leader (TP rank 0) owns the buffer shard and broadcasts each step's batch to its TP
 peers, which run the same micro-batches in lockstep on the whole sequences. DeepSpeed builds its
@@ -28,7 +28,7 @@ gradient is the same on every TP peer (the column-parallel backward all-reduces 
 gradient), averaged over all L ranks: both equal (1/D) Σ_replicas ∇. So the learner's loss
 normaliser is N / D (`grad_ranks`), N the step's loss units counted once per replica.
 
-Full weights (weight sync, export): `gathered(params)` (it lives in hpc_tba.checkpoint, whose
+Full weights (weight sync, export): `gathered(params)` (it lives in hpc_tba.checkpoint.store, whose
 export uses it: plumbing below the roles), `zero.GatheredParameters` (the ZeRO-3 partitions of
 each slice) around `GatherReplacedLayerParams` (the TP slices, all-gathered along the split
 dimension); every TP rank takes part in the same gathers in the same order. `full_shape`: a
@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import torch
 
-from hpc_tba.checkpoint import full_shape, gathered, split_layer
+from hpc_tba.checkpoint.store import full_shape, gathered, split_layer
 from hpc_tba.comm.weight_sync import WeightSender
 from hpc_tba.comm.weight_sync.feeds import VERSIONS_HELD
 from hpc_tba.roles.parallel import Peers, peer_groups

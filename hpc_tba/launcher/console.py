@@ -215,7 +215,7 @@ def record_failure(run_dir: str, rank: int, message: str) -> bool:
     d = log_dir(run_dir)
     os.makedirs(d, exist_ok=True)
     record = {"rank": rank, "message": message, "log": rank_log_path(run_dir, rank), "time": time.time()}
-    from hpc_tba.runfiles import write_json_atomic
+    from hpc_tba.checkpoint.runfiles import write_json_atomic
 
     write_json_atomic(os.path.join(d, f"failed_rank{rank}.json"), record)
     try:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from hpc_tba.memory import ModelSpec, Plan
+from hpc_tba.plan.memory import ModelSpec, Plan
 
 if TYPE_CHECKING:
     from hpc_tba.config import RunConfig

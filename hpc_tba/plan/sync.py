@@ -5,7 +5,7 @@ Today's sync is a star from learner rank 0 (issue 41): with out-of-process engin
 has its own feed, and each feed broadcasts the whole version to its engine's workers, so S
 engines make S x V bytes leave rank 0's node; in-process engines share one broadcast group, a
 pipelined ring that carries V over every link once. Engines run on other nodes than the
-learners (hpc_tba.topology), so the bytes cross the network. The time is a range: all of it
+learners (hpc_tba.config.topology), so the bytes cross the network. The time is a range: all of it
 through one NIC (NCCL runs one GPU's traffic over the NIC nearest to it), down to spread over
 every NIC of the node. Not counted: learner rank 0's gathers and its copies into and out of the
 held host copies, and the engines' loads, which overlap the transfer bucket by bucket. The smoke
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from hpc_tba.config import RunConfig
-    from hpc_tba.memory import Plan
+    from hpc_tba.plan.memory import Plan
 
 
 def sync_seconds(cfg: RunConfig, version_bytes: float) -> tuple[float, float, float]:

@@ -3,7 +3,7 @@
 Reads only the run directory (on the shared filesystem, so it works from a login node):
 `status.json`, which learner rank 0 replaces atomically as it logs (roles/logging.RunLogger),
 `summary.json` (written at the end), the checkpoints, and the failure records of
-hpc_tba.console. Whether a run is still alive: for a local run on this host, its process; for a
+hpc_tba.launcher.console. Whether a run is still alive: for a local run on this host, its process; for a
 Slurm job, `squeue` when it is on the PATH, else how long ago the status was last written.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ import socket
 import subprocess
 import time
 
-from hpc_tba.runfiles import latest_checkpoint, read_json
+from hpc_tba.checkpoint.runfiles import latest_checkpoint, read_json
 
 STALE_S = 600.0
 """A status not updated for this long, with no other way to tell, is reported as silent."""
@@ -47,7 +47,7 @@ def _slurm_state(job_id: str) -> str | None:
 def run_status(run_dir: str) -> dict:
     """Everything `hpc-tba status` shows, as a dict (state: running, finished, preempted,
     failed, stopped, silent, starting)."""
-    from hpc_tba.console import failures
+    from hpc_tba.launcher.console import failures
 
     if not os.path.isdir(run_dir):
         raise FileNotFoundError(f"{run_dir} is not a run directory")
@@ -111,7 +111,7 @@ def format_status(s: dict) -> str:
         f"pass@1     held-out {pct(s.get('pass@1'))}; at the start {pct(s.get('pass@1_first'))}",
     ]
     if s.get("failures"):
-        from hpc_tba.console import failure_line
+        from hpc_tba.launcher.console import failure_line
 
         lines.append(failure_line(s["failures"]).replace("hpc-tba: ", "failure    ", 1))
     return "\n".join(lines)

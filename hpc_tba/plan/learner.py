@@ -1,4 +1,4 @@
-"""The planner's learner section (hpc_tba.planner's docstring states the terms).
+"""The planner's learner section (hpc_tba.plan.planner's docstring states the terms).
 
 Tensor parallelism (`learner.tensor_parallel_size` = TP, hpc_tba.roles.tensor_parallel): the
 model states stay P / N per rank (ZeRO-3 partitions each TP slice over the N / TP data-parallel
@@ -15,8 +15,8 @@ import os
 from typing import TYPE_CHECKING
 
 from hpc_tba.losses.registry import needs
-from hpc_tba.memory import DTYPE_BYTES, ModelSpec, Plan, activation_bytes, logit_bytes
-from hpc_tba.plan_nccl import learner_bytes as nccl_learner_bytes
+from hpc_tba.plan.memory import DTYPE_BYTES, ModelSpec, Plan, activation_bytes, logit_bytes
+from hpc_tba.plan.nccl import learner_bytes as nccl_learner_bytes
 
 if TYPE_CHECKING:
     from hpc_tba.config import RunConfig
@@ -125,7 +125,7 @@ def learner_rows(plan: Plan, cfg: RunConfig, spec: ModelSpec, gpus: int, capacit
     total += plan.row("weight-sync send slots (rank 0)", 2 * max(plan.buckets) * (c.num_searchers > 0),
                       f"2 x the largest bucket (learner.sync_bucket_mb {lr.sync_bucket_mb:g})", key="send_slots")
     total += _feed_rows(plan, cfg, gpus)
-    if gpus:  # NCCL's own buffers (hpc_tba.plan_nccl); on CPU the groups are gloo's
+    if gpus:  # NCCL's own buffers (hpc_tba.plan.nccl); on CPU the groups are gloo's
         every, sync, note, sync_note = nccl_learner_bytes(cfg)
         total += plan.row("NCCL buffers (outside torch's allocator)", every, note, key="nccl")
         if sync:

@@ -1,8 +1,8 @@
 """`hpc-tba doctor`: a preflight of every node before any rank of a job starts.
 
 The generated sbatch scripts run it first, one task per node (`srun --ntasks-per-node=1 ...
--m hpc_tba.cli doctor`); a user can run it by hand on a login or compute node. Each node checks
-what it can see against the plan (`hpc_tba.planner.make_plan` of the same config):
+-m hpc_tba.cli.main doctor`); a user can run it by hand on a login or compute node. Each node checks
+what it can see against the plan (`hpc_tba.plan.planner.make_plan` of the same config):
 
     GPUs visible against cluster.gpus_per_node; driver, CUDA and NCCL versions; the installed
     packages against hpc_tba/pins.py; the network devices NCCL will use (NCCL_SOCKET_IFNAME,
@@ -30,11 +30,11 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from hpc_tba.memory import GiB
+from hpc_tba.plan.memory import GiB
 
 if TYPE_CHECKING:
     from hpc_tba.config import RunConfig
-    from hpc_tba.memory import Plan
+    from hpc_tba.plan.memory import Plan
 
 SHM_NEED_BYTES = {"gpu": 1 * GiB, "cpu": 64 * 2**20}
 """/dev/shm a node needs: NCCL's shared-memory transport between GPUs of a node and vLLM's message
@@ -63,7 +63,7 @@ class Check:
 
 def node_kind(cfg: RunConfig, node_id: int) -> str:
     """Which of memory.NODE_KINDS node `node_id` of the layout is."""
-    from hpc_tba.topology import Topology
+    from hpc_tba.config.topology import Topology
 
     topo = Topology.for_run(cfg)
     if node_id == 0:
@@ -73,7 +73,7 @@ def node_kind(cfg: RunConfig, node_id: int) -> str:
 
 def host_need(plan: Plan, cfg: RunConfig, kind: str) -> float:
     """Host bytes the plan says a node of `kind` needs; on a one-node layout every kind is there."""
-    from hpc_tba.topology import Topology
+    from hpc_tba.config.topology import Topology
 
     if Topology.for_run(cfg).num_nodes == 1:
         return plan.host_bytes.get("learner0", 0.0) + plan.host_bytes.get("searcher", 0.0)
@@ -193,7 +193,7 @@ def _existing_ancestor(path: str) -> str:
 
 
 def _check_staging(cfg: RunConfig, plan: Plan, *, node_id: int) -> Check:
-    from hpc_tba.topology import Topology
+    from hpc_tba.config.topology import Topology
 
     c = cfg.cluster
     if not c.checkpoint_staging_dir:
@@ -333,7 +333,7 @@ def run_doctor(cfg: RunConfig, *, shared: str = "") -> int:
     """The preflight on this task's node; under srun with one task per node, across the job.
     Returns 0 when every node passed, 1 otherwise (the same on every task)."""
     from hpc_tba.launcher.slurm import SlurmEnv
-    from hpc_tba.planner import PlanOptions, make_plan
+    from hpc_tba.plan.planner import PlanOptions, make_plan
 
     env = SlurmEnv.from_environ()
     ntasks = env.ntasks if env else 1
@@ -391,10 +391,10 @@ def doctor_main(argv: list[str]) -> int:
 
 
 def main() -> int:
-    """What the sbatch scripts run on every node: `python -m hpc_tba.launcher.doctor <overrides>`
+    """What the sbatch scripts run on every node: `python -m hpc_tba.cli.doctor <overrides>`
     (= `hpc-tba doctor`); a bad configuration is one line and exit 2, as there."""
     from hpc_tba.config import ConfigError
-    from hpc_tba.topology import LayoutError
+    from hpc_tba.config.topology import LayoutError
 
     try:
         return doctor_main(sys.argv[1:])

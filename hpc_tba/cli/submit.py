@@ -5,9 +5,9 @@ Why submitit as well as sbatch scripts: Python users (sweeps, notebooks) get a `
 and the entry point are the same as `sbatch slurm/<name>.sh`:
 
 - executor="slurm": one submitit task per rank, started by `srun --mpi=<cluster.mpi>`, placed by
-  the same host file as the sbatch scripts, each calling `hpc_tba.run.main(overrides)`.
+  the same host file as the sbatch scripts, each calling `hpc_tba.cli.rank.main(overrides)`.
 - executor="local": one submitit task on this machine that runs `mpiexec -n <world>` of
-  `python -m hpc_tba.run`, exactly what `hpc-tba train` runs (launcher/local.py).
+  `python -m hpc_tba.cli.rank`, exactly what `hpc-tba train` runs (launcher/local.py).
 
 Preemption: submitit delivers its signal (USR2) to every task; `install_preemption_handler` in
 hpc_tba.launcher.slurm routes it, like Slurm's USR1, to the flag the roles check, so every role
@@ -36,11 +36,11 @@ class RankEntry:
         self.overrides = list(overrides)
 
     def __call__(self) -> int:
-        from hpc_tba.run import main
+        from hpc_tba.cli.rank import main
 
         rc = main(self.overrides)
         if rc:
-            raise RuntimeError(f"hpc_tba.run exited with {rc} (see this task's log)")
+            raise RuntimeError(f"hpc_tba.cli.rank exited with {rc} (see this task's log)")
         return rc
 
     def checkpoint(self) -> Any:
@@ -127,8 +127,8 @@ def _hydra_value(v: Any) -> str:
 
 def _slurm_parameters(cfg: RunConfig) -> dict[str, Any]:
     """submitit SlurmExecutor parameters mirroring the #SBATCH lines of `sbatch_script`."""
-    from hpc_tba.launcher import slurm  # lazily: `import hpc_tba` re-exports launch()
-    from hpc_tba.topology import Topology
+    from hpc_tba.cli import sbatch
+    from hpc_tba.config.topology import Topology
 
     c, topo = cfg.cluster, Topology.for_run(cfg)
     hosts = ('mapfile -t HOSTS < <(scontrol show hostnames "$SLURM_JOB_NODELIST"); '
@@ -136,10 +136,10 @@ def _slurm_parameters(cfg: RunConfig) -> dict[str, Any]:
              f'export SLURM_HOSTFILE="{cfg.run_dir}/hostfile"; mkdir -p "{cfg.run_dir}"; '
              'for i in "${!TASKS[@]}"; do for ((t = 0; t < TASKS[i]; t++)); do '
              'echo "${HOSTS[i]}"; done; done > "$SLURM_HOSTFILE"')
-    env = slurm.env_exports(cfg)
+    env = sbatch.env_exports(cfg)
     params: dict[str, Any] = dict(
         job_name=cfg.name, nodes=c.nodes, ntasks_per_node=max(topo.tasks_per_node),
-        cpus_per_task=slurm.cpus_per_task(cfg), time=_minutes(c.time), signal_delay_s=c.signal_grace_s,
+        cpus_per_task=sbatch.cpus_per_task(cfg), time=_minutes(c.time), signal_delay_s=c.signal_grace_s,
         srun_args=[f"--mpi={c.mpi}", "--distribution=arbitrary", f"--ntasks={c.world_size}"],
         setup=[*([c.setup] if c.setup.strip() else []), *env, hosts])
     if c.gpus_per_node:
@@ -200,8 +200,8 @@ def launch(cfg: RunConfig, *, executor: str | None = None, folder: str | os.Path
     folder = Path(folder or Path(cfg.run_dir) / "submitit")
     ranks = _run_overrides(cfg, overrides)
     if executor == "slurm":
-        from hpc_tba.planner import check_grace
-        from hpc_tba.topology import Topology
+        from hpc_tba.config.topology import Topology
+        from hpc_tba.plan.planner import check_grace
 
         Topology.for_run(cfg)  # refuse an impossible layout before queueing anything
         check_grace(cfg)  # and a USR1 grace too short for the final checkpoint
@@ -210,7 +210,7 @@ def launch(cfg: RunConfig, *, executor: str | None = None, folder: str | os.Path
         ex.update_parameters(**_slurm_parameters(cfg))
         return ex.submit(RankEntry(ranks))
     if executor == "local":
-        from hpc_tba.models.tiny import resolve_model_path
+        from hpc_tba.tasks.embedded import resolve_model_path
 
         resolve_model_path(cfg.model, cfg.task)  # build the model once, not on every rank
         ex = submitit.LocalExecutor(folder=folder)

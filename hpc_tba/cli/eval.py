@@ -185,7 +185,7 @@ def _load_prompts(cfg: RunConfig, args: EvalArgs, model_path: str | None) -> tup
 
 def _resolve_model(cfg: RunConfig, model: str | None) -> str:
     """The Hugging Face directory to load; a training checkpoint gets a hint to export it."""
-    from hpc_tba.models.tiny import embedded_model_dir, resolve_model_path
+    from hpc_tba.tasks.embedded import embedded_model_dir, resolve_model_path
 
     if model is None:
         if cfg.model.path == "embedded" and \

@@ -8,7 +8,7 @@
     hpc-tba data {show,hh-rlhf,tldr} ...  # look at / convert a downloaded data set (data_cli)
 
 The terminal shows our own lines only; every rank's third-party output is in
-`<run_dir>/logs/rank<N>.log` (`-v` / HPC_TBA_VERBOSE=1 shows it live too; hpc_tba.console).
+`<run_dir>/logs/rank<N>.log` (`-v` / HPC_TBA_VERBOSE=1 shows it live too; hpc_tba.launcher.console).
 """
 from __future__ import annotations
 
@@ -21,19 +21,19 @@ USAGE = "usage: hpc-tba {train,plan,doctor,eval,preprocess,report,status,data} [
 
 def train(overrides: list[str], *, verbose: bool = False) -> int:
     from hpc_tba.assembly.compose import compose
-    from hpc_tba.console import LAUNCHER_ENV, VERBOSE_ENV, captured, log_dir
+    from hpc_tba.launcher.console import LAUNCHER_ENV, VERBOSE_ENV, captured, log_dir
     from hpc_tba.launcher.local import find_mpiexec, mpiexec_launch
 
     cfg = compose(overrides)  # a bad setting is refused here, before torch is imported (seconds)
     check_data(cfg.task, required=cfg.cluster.backend == "local")
     if cfg.cluster.backend != "local":
-        from hpc_tba.launcher import submit
+        from hpc_tba.cli import submit
 
         job = submit.launch(cfg, overrides=overrides)
         print(f"submitted {job}")
         return 0
-    from hpc_tba.models.tiny import resolve_model_path
-    from hpc_tba.topology import Topology
+    from hpc_tba.config.topology import Topology
+    from hpc_tba.tasks.embedded import resolve_model_path
 
     Topology.for_run(cfg)  # refuse an impossible layout before building anything
     mpiexec = find_mpiexec(cfg.cluster.mpiexec)
@@ -84,9 +84,9 @@ def check_data(task_cfg, *, required: bool) -> None:
 def job_result(run_dir: str, code: int) -> int:
     """The exit status of `hpc-tba train`, after printing a failed rank's error once.
 
-    1 when a rank failed with an error (recorded by hpc_tba.run), mpiexec's status (128 + the
+    1 when a rank failed with an error (recorded by hpc_tba.cli.rank), mpiexec's status (128 + the
     signal when it was killed) when the job failed otherwise, 0 when it succeeded."""
-    from hpc_tba.console import failure_line, failures, log_dir
+    from hpc_tba.launcher.console import failure_line, failures, log_dir
 
     records = failures(run_dir)
     if records:
@@ -103,8 +103,8 @@ def preprocess(overrides: list[str]) -> int:
     """`hpc-tba preprocess task=offline task.path=FILE`: behaviour/reference log-probs and A-LoL
     advantages under the starting policy, written next to the data (see roles/offline.py)."""
     from hpc_tba.assembly.compose import compose
-    from hpc_tba.models.tiny import resolve_model_path
     from hpc_tba.roles.offline import preprocess_file
+    from hpc_tba.tasks.embedded import resolve_model_path
 
     cfg = compose(overrides)
     if cfg.task.name != "offline" or not os.path.isfile(cfg.task.path):
@@ -117,7 +117,7 @@ def preprocess(overrides: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     from hpc_tba.config import ConfigError
-    from hpc_tba.topology import LayoutError
+    from hpc_tba.config.topology import LayoutError
 
     argv = list(sys.argv[1:] if argv is None else argv)
     verbose = any(a in ("-v", "--verbose") for a in argv)
@@ -127,29 +127,29 @@ def main(argv: list[str] | None = None) -> int:
         if cmd == "train":
             return train(argv, verbose=verbose)
         if cmd == "report":
-            from hpc_tba.plots import report_main
+            from hpc_tba.cli.report import report_main
 
             return report_main(argv)
         if cmd == "status":
-            from hpc_tba.status import status_main
+            from hpc_tba.cli.status import status_main
 
             return status_main(argv)
         if cmd == "plan":
-            from hpc_tba.planner import plan_main
+            from hpc_tba.plan.planner import plan_main
 
             return plan_main(argv)
         if cmd == "doctor":
-            from hpc_tba.launcher.doctor import doctor_main
+            from hpc_tba.cli.doctor import doctor_main
 
             return doctor_main(argv)
         if cmd == "preprocess":
             return preprocess(argv)
         if cmd == "eval":
-            from hpc_tba.eval_cli import eval_main
+            from hpc_tba.cli.eval import eval_main
 
             return eval_main(argv)
         if cmd == "data":
-            from hpc_tba.data_cli import data_main
+            from hpc_tba.cli.data import data_main
 
             return data_main(argv)
     except (ConfigError, LayoutError, FileNotFoundError) as e:

@@ -1,9 +1,9 @@
-"""Per-rank entry point: `python -m hpc_tba.run <hydra overrides>` on every rank of the job.
+"""Per-rank entry point: `python -m hpc_tba.cli.rank <hydra overrides>` on every rank of the job.
 
 Started by `hpc-tba train` (mpiexec) or by `srun --mpi=pmi2` under Slurm. Composes the config,
 gives the process its GPUs (hpc_tba.assembly.rank.place_devices, before mpi4py is imported: a
 CUDA-aware MPI initialises CUDA in MPI_Init), starts MPI, sends this rank's third-party output to
-`<run_dir>/logs/rank<N>.log` (hpc_tba.console), sets the rank up (hpc_tba.assembly.rank: the
+`<run_dir>/logs/rank<N>.log` (hpc_tba.launcher.console), sets the rank up (hpc_tba.assembly.rank: the
 transport, the layout, pinning, signals), builds its role (hpc_tba.assembly.build), runs it,
 closes it in `finally`. Learner rank 0 prints the one summary and draws `<run_dir>/report.png`.
 """
@@ -21,7 +21,7 @@ def run_rank(cfg) -> tuple[int, dict | None]:
     from hpc_tba.assembly.build import build_role
     from hpc_tba.assembly.compose import write_run_config
     from hpc_tba.assembly.rank import setup_rank
-    from hpc_tba.console import say
+    from hpc_tba.launcher.console import say
 
     rank = setup_rank(cfg)
     transport, topo = rank.transport, rank.topology
@@ -53,7 +53,7 @@ def run_rank(cfg) -> tuple[int, dict | None]:
 
 def fail(run_dir: str | None, rank: int, e: BaseException) -> None:
     """Log the whole traceback, record the error, show it once, end every rank of the job."""
-    from hpc_tba.console import LAUNCHER_ENV, failure_line, failures, record_failure, say
+    from hpc_tba.launcher.console import LAUNCHER_ENV, failure_line, failures, record_failure, say
 
     traceback.print_exc()  # into this rank's log
     message = f"{type(e).__name__}: {e}"
@@ -77,7 +77,7 @@ def fail(run_dir: str | None, rank: int, e: BaseException) -> None:
 def main(argv: list[str] | None = None) -> int:
     from hpc_tba.assembly.compose import compose
     from hpc_tba.config import ConfigError
-    from hpc_tba.console import rank_from_environ, setup_rank_output
+    from hpc_tba.launcher.console import rank_from_environ, setup_rank_output
 
     argv = sys.argv[1:] if argv is None else argv
     rank = rank_from_environ()
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hpc-tba: {e}", file=sys.stderr)
         return 2
     from hpc_tba.assembly.rank import check_placed_rank, place_devices
-    from hpc_tba.topology import LayoutError
+    from hpc_tba.config.topology import LayoutError
 
     try:
         placed = place_devices(cfg)  # before MPI: CUDA_VISIBLE_DEVICES from the layout
@@ -120,11 +120,11 @@ def _init_mpi(rank: int) -> int:
 
 def finish_run(run_dir: str, summary: dict) -> None:
     """Learner rank 0 at the end: the summary on the terminal, the report picture on disk."""
-    from hpc_tba.console import say
+    from hpc_tba.launcher.console import say
     from hpc_tba.roles.report import print_summary
 
     try:
-        from hpc_tba.plots import draw_report
+        from hpc_tba.cli.report import draw_report
 
         path = draw_report([run_dir], os.path.join(run_dir, "report.png"))
     except Exception as e:  # a picture that cannot be drawn must not fail a finished run

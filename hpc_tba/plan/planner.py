@@ -17,23 +17,23 @@ Learner, per rank, ZeRO-3 over N learner ranks (P parameters, bytes per paramete
   activations of one micro-batch of `learner.micro_batch_size` (0 = K) sequences of up to
   `searcher.max_model_len` tokens (a prompt of at most max_model_len - max_new_tokens plus a
   response of at most max_new_tokens), with or without `learner.gradient_checkpointing`, and
-  one chunk of logits (`learner.logprob_chunk_tokens` positions): see hpc_tba.memory for both
+  one chunk of logits (`learner.logprob_chunk_tokens` positions): see hpc_tba.plan.memory for both
   counts. Sequence parallelism (`learner.sequence_parallel_size` = SP, hpc_tba.roles.parallel)
   gives each rank ceil(max_model_len / SP) positions of every sequence: the activation and logit
   rows count those (the all-to-all buffers are one layer's q, k, v and output, inside the
   per-layer figure's order of magnitude). Tensor parallelism (`learner.tensor_parallel_size` =
   TP, hpc_tba.roles.tensor_parallel) divides the split layers: the gathered layers' projections
-  and the heads' and MLP's activations are / TP (hpc_tba.plan_learner states what is not).
+  and the heads' and MLP's activations are / TP (hpc_tba.plan.learner states what is not).
   A refusal for one sequence's activations names the smallest SP and the smallest TP that fit.
   Learner rank 0 also holds the weight sender's two slots of the largest bucket. Usable: 90% of
-  the GPU (CUDA context, NCCL buffers, fragmentation). The learner's rows: hpc_tba.plan_learner.
+  the GPU (CUDA context, NCCL buffers, fragmentation). The learner's rows: hpc_tba.plan.learner.
 Engine, per GPU: weights P x bytes / TP, a fixed runtime overhead, and the KV cache in what is
   left of gpu_memory_utilization x GPU; 2 x layers x kv_heads x head_dim x bytes per token / TP.
   Refused when the weights do not fit or the cache cannot hold one max_model_len sequence (vLLM
   refuses to start then); fewer concurrent sequences than a round asks for is only a warning.
-Checkpoint (hpc_tba.plan_checkpoint): a save's size, footprint on the shared filesystem and time
+Checkpoint (hpc_tba.plan.checkpoint): a save's size, footprint on the shared filesystem and time
   at `cluster.checkpoint_gb_per_s`; a USR1 grace shorter than a save is refused.
-Weight staging, per searcher (`searcher.staging`, hpc_tba.memory.staging_bytes): outside vLLM's
+Weight staging, per searcher (`searcher.staging`, hpc_tba.plan.memory.staging_bytes): outside vLLM's
   share, i.e. in 90% of (1 - gpu_memory_utilization) x GPU, or in host memory per node. `auto`
   is stream (comm.weight_sync.resolve_staging: a few buckets, never a version). Out-of-process
   engines: nothing in the searcher's process; each engine worker receives the broadcast itself
@@ -43,7 +43,7 @@ Weight staging, per searcher (`searcher.staging`, hpc_tba.memory.staging_bytes):
 The ZeRO-3 model-state figure is printed next to DeepSpeed's own estimator
 (`estimate_zero3_model_states_mem_needs*`, which budgets 18 bytes/param and a 1.5x CPU factor).
 `--dry-run` also builds the model on the meta device and runs the learner's and the sender's own
-code on it (hpc_tba.plan_dryrun), checking the plan's shapes and sizes against theirs.
+code on it (hpc_tba.plan.dryrun), checking the plan's shapes and sizes against theirs.
 """
 from __future__ import annotations
 
@@ -53,7 +53,9 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hpc_tba.memory import (
+from hpc_tba.plan.checkpoint import checkpoint_rows, grace_refusal
+from hpc_tba.plan.learner import learner_rows, micro_batch_of
+from hpc_tba.plan.memory import (
     DTYPE_BYTES,
     KNOWN_MODELS,
     ModelSpec,
@@ -62,10 +64,8 @@ from hpc_tba.memory import (
     spec_from_hf_config,
     staging_bytes,
 )
-from hpc_tba.plan_checkpoint import checkpoint_rows, grace_refusal
-from hpc_tba.plan_learner import learner_rows, micro_batch_of
-from hpc_tba.plan_nccl import engine_bytes as engine_nccl_bytes
-from hpc_tba.plan_sync import sync_rows
+from hpc_tba.plan.nccl import engine_bytes as engine_nccl_bytes
+from hpc_tba.plan.sync import sync_rows
 
 if TYPE_CHECKING:
     from hpc_tba.config import RunConfig
@@ -99,12 +99,13 @@ def model_spec(cfg: RunConfig, arch: str | None = None) -> ModelSpec:
 
 
 def _embedded_spec(cfg: RunConfig) -> ModelSpec:
-    """The tiny char-level Llama: its config.json once built, else the recipe of models.tiny."""
+    """The tiny char-level Llama: its config.json once built, else the recipe of tasks.embedded."""
     from hpc_tba.config import TaskConfig
     from hpc_tba.models import tiny
+    from hpc_tba.tasks.embedded import embedded_model_dir
 
     m = cfg.model
-    built = tiny.embedded_model_dir(m, cfg.task if cfg.task.name == "arithmetic" else TaskConfig())
+    built = embedded_model_dir(m, cfg.task if cfg.task.name == "arithmetic" else TaskConfig())
     if (built / "config.json").is_file():
         return spec_from_hf_config("embedded", json.loads((built / "config.json").read_text()))
     return ModelSpec("embedded", len(tiny.SPECIALS) + len(tiny.ALPHABET), m.hidden_size, 2 * m.hidden_size,
@@ -116,7 +117,7 @@ class PlanOptions:
     """Flags of `hpc-tba plan` (every memory setting comes from the config)."""
 
     arch: str | None = None
-    """Architecture by name (hpc_tba.memory.KNOWN_MODELS) when model.path does not tell it."""
+    """Architecture by name (hpc_tba.plan.memory.KNOWN_MODELS) when model.path does not tell it."""
     deepspeed: bool = True
     """Print DeepSpeed's own ZeRO-3 estimate next to ours."""
     dry_run: bool = False
@@ -164,7 +165,7 @@ def _wire(cfg: RunConfig) -> str:
 
 
 def _staging(plan: Plan, cfg: RunConfig, spec: ModelSpec, gpus: int) -> None:
-    """The searchers' weight staging (hpc_tba.memory.staging_bytes), outside vLLM's share."""
+    """The searchers' weight staging (hpc_tba.plan.memory.staging_bytes), outside vLLM's share."""
     s, c = cfg.searcher, cfg.cluster
     wire = _wire(cfg)
     version, bucket = sum(plan.buckets), max(plan.buckets)
@@ -182,7 +183,7 @@ def _staging(plan: Plan, cfg: RunConfig, spec: ModelSpec, gpus: int) -> None:
     plan.row("staging in pinned host memory", st.host_bytes, key="staging_host")
     plan.staging = mode
     worker = _engine_workers(plan, cfg, spec, bucket, gpus)
-    nccl = engine_nccl_bytes(cfg) if gpus else 0  # the weight-sync communicator (hpc_tba.plan_nccl)
+    nccl = engine_nccl_bytes(cfg) if gpus else 0  # the weight-sync communicator (hpc_tba.plan.nccl)
     if nccl:
         plan.row("NCCL buffers, weight sync (beside vLLM's share)", nccl,
                  "one ring broadcast per engine GPU", key="nccl_engine")
@@ -284,7 +285,7 @@ def plan_params(plan: Plan) -> float:
 
 def make_plan(cfg: RunConfig, opt: PlanOptions = PlanOptions()) -> Plan:
     """Build the plan for a composed config; layout errors become problems."""
-    from hpc_tba.topology import LayoutError, Topology
+    from hpc_tba.config.topology import LayoutError, Topology
 
     plan, c = Plan(), cfg.cluster
     spec = model_spec(cfg, opt.arch)
@@ -315,7 +316,7 @@ def make_plan(cfg: RunConfig, opt: PlanOptions = PlanOptions()) -> Plan:
     checkpoint_rows(plan, cfg, spec)
     _host_rows(plan, cfg, topo)
     if opt.dry_run:
-        from hpc_tba.plan_dryrun import dry_run
+        from hpc_tba.plan.dryrun import dry_run
 
         dry_run(plan, cfg, spec)
     return plan

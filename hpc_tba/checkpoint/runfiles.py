@@ -49,7 +49,7 @@ def checkpoint_root(run_dir: str) -> str:
 
 def latest_checkpoint(run_dir: str) -> str | None:
     """The newest complete checkpoint directory, or None (half-written ones are ignored). Here,
-    not in hpc_tba.checkpoint, so that `hpc-tba status` finds it without importing torch."""
+    not in hpc_tba.checkpoint.store, so that `hpc-tba status` finds it without importing torch."""
     root = checkpoint_root(run_dir)
     pointer = os.path.join(root, "latest")
     candidates = []

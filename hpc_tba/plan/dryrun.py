@@ -1,6 +1,6 @@
 """`hpc-tba plan --dry-run`: the plan checked against the roles' own code on a meta-device model.
 
-Why: the planner's arithmetic (hpc_tba.memory) is a model of what the learner and the searchers
+Why: the planner's arithmetic (hpc_tba.plan.memory) is a model of what the learner and the searchers
 allocate; if it drifts from their code (another bucket rule, a micro-batch that packs more rows),
 the plan is wrong exactly where it matters. The dry run builds the real model on the meta device
 (shapes and dtypes, no storage: a 70B model in a second) and runs on it the code the roles run:
@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from hpc_tba.memory import DTYPE_BYTES, GiB, ModelSpec, Plan
+from hpc_tba.plan.memory import DTYPE_BYTES, GiB, ModelSpec, Plan
 
 if TYPE_CHECKING:
     from hpc_tba.config import RunConfig
@@ -174,7 +174,7 @@ def _workers(plan: Plan, cfg: RunConfig, manifest, layer_bytes: int) -> None:
 
 def dry_run(plan: Plan, cfg: RunConfig, spec: ModelSpec) -> None:
     """Append the dry run's rows (and any mismatch as a problem) to `plan`."""
-    from hpc_tba import checkpoint
+    from hpc_tba.checkpoint import store as checkpoint
 
     model, source = meta_model(cfg, spec)
     plan.lines.append(f"  dry run on the meta device ({source}, {cfg.learner.dtype}):")
@@ -206,7 +206,7 @@ def _tensor_parallel(plan: Plan, cfg: RunConfig, spec: ModelSpec, model) -> None
     on the meta model: one TP rank's share of the largest decoder layer against the plan's."""
     import re
 
-    from hpc_tba import checkpoint
+    from hpc_tba.checkpoint import store as checkpoint
     from hpc_tba.roles import tensor_parallel
 
     tp = cfg.learner.tensor_parallel_size

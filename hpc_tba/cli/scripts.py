@@ -1,7 +1,7 @@
 """The sbatch scripts shipped in slurm/, generated from the presets' composed configs.
 
-    python -m hpc_tba.launcher.scripts sbatch <overrides>    # print the script for a config
-    python -m hpc_tba.launcher.scripts write-scripts         # regenerate slurm/*.sh
+    python -m hpc_tba.cli.scripts sbatch <overrides>    # print the script for a config
+    python -m hpc_tba.cli.scripts write-scripts         # regenerate slurm/*.sh
 
 An entry point: it composes configs (the assembly layer), then asks launcher/slurm.py, which
 holds all Slurm knowledge, for the text. tests/test_slurm_scripts.py keeps slurm/*.sh equal to it.
@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from hpc_tba.assembly.compose import compose
-from hpc_tba.launcher.slurm import sbatch_script
-from hpc_tba.planner import check_grace
+from hpc_tba.cli.sbatch import sbatch_script
+from hpc_tba.plan.planner import check_grace
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS_DIR = REPO / "slurm"
@@ -66,10 +66,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             sys.stdout.write(_checked_script(overrides, name))
         except ValueError as e:
-            print(f"hpc_tba.launcher.scripts sbatch: {e}", file=sys.stderr)
+            print(f"hpc_tba.cli.scripts sbatch: {e}", file=sys.stderr)
             return 2
         return 0
-    print("usage: python -m hpc_tba.launcher.scripts {sbatch <overrides> | write-scripts}",
+    print("usage: python -m hpc_tba.cli.scripts {sbatch <overrides> | write-scripts}",
           file=sys.stderr)
     return 2
 

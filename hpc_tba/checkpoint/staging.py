@@ -30,9 +30,9 @@ import shutil
 import threading
 import time
 
-from hpc_tba import checkpoint
-from hpc_tba.checkpoint import CheckpointError, _barrier, _fsync_dir, _publish, _write_json, _write_part
-from hpc_tba.runfiles import checkpoint_root
+from hpc_tba.checkpoint import store as checkpoint
+from hpc_tba.checkpoint.runfiles import checkpoint_root
+from hpc_tba.checkpoint.store import CheckpointError, _barrier, _fsync_dir, _publish, _write_json, _write_part
 
 COPY_CHUNK_BYTES = 64 * 2**20
 """Read/write unit of the background copy; a discard takes effect within one chunk."""

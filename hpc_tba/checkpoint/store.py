@@ -20,7 +20,7 @@ writes learner.json and COMPLETE, renames the directory into place, replaces `la
 all but the newest `keep_last`. A crash at any point leaves either the previous checkpoint as
 `latest` or a `.tmp-*` directory that resume ignores and the next save removes.
 
-Staged saves (hpc_tba.checkpoint_staging, `cluster.checkpoint_staging_dir`): each rank writes its
+Staged saves (hpc_tba.checkpoint.staging, `cluster.checkpoint_staging_dir`): each rank writes its
 part to node-local storage and a background thread copies it into the shared `.tmp-*` directory;
 `_publish` then completes it exactly as above, so a copy that never finished is never `latest`.
 
@@ -59,7 +59,7 @@ from collections.abc import Sequence
 
 import torch
 
-from hpc_tba.runfiles import COMPLETE, checkpoint_root, latest_checkpoint  # torch-free: status uses them too
+from hpc_tba.checkpoint.runfiles import COMPLETE, checkpoint_root, latest_checkpoint  # torch-free: status uses them too
 
 
 class CheckpointError(RuntimeError):
@@ -88,7 +88,7 @@ def load_tensors(path: str, *, map_location=None, allowed: Sequence[type] = ()):
             f"checkpoint file {path} refused: it holds objects other than tensors and plain data "
             f"({_unpickler_reason(e)}). It was loaded with torch.load(weights_only=True) and "
             "nothing in it was run: the file was altered, or written by a DeepSpeed that stores "
-            "other objects (see hpc_tba.checkpoint.deepspeed_safe_globals)") from None
+            "other objects (see hpc_tba.checkpoint.store.deepspeed_safe_globals)") from None
     except (OSError, EOFError, RuntimeError, ValueError) as e:
         raise CheckpointError(f"checkpoint file {path} is unreadable: {e}") from None
 

@@ -1,7 +1,7 @@
 """The smoke job's two steps around the run (`+experiment=tba_8b_smoke`, slurm/tba_8b_smoke.sh).
 
-    python -m hpc_tba.launcher.smoke preempt RUN_DIR STEP     # in the background, first start only
-    python -m hpc_tba.launcher.smoke verdict RUN_DIR <overrides>
+    python -m hpc_tba.cli.smoke preempt RUN_DIR STEP     # in the background, first start only
+    python -m hpc_tba.cli.smoke verdict RUN_DIR <overrides>
 
 `preempt` waits until the learner has logged STEP in RUN_DIR/metrics_learner.jsonl, then sends
 USR1 to every task of the job's steps (`scancel --signal=USR1 $SLURM_JOB_ID`): what Slurm's
@@ -11,7 +11,7 @@ starts again and resumes from that checkpoint).
 
 `verdict` reads what the finished run left and prints one line, PASS or FAIL, with the figures a
 user compares with `hpc-tba plan` before the big job: the weight sync's time per version (the
-learner's send, beside the plan's range from hpc_tba.plan_sync, and out-of-process engines'
+learner's send, beside the plan's range from hpc_tba.plan.sync, and out-of-process engines'
 receive), the step time after the resume, and the memory per learner GPU next to the plan's
 figure: torch's peak reserved bytes (`memory/peak_gib`) and the most the device had in use at a
 logged step (`memory/device_used_gib`, cudaMemGetInfo: with NCCL's buffers, which torch does not
@@ -36,7 +36,7 @@ METRICS = "metrics_learner.jsonl"
 
 def learner_rows(run_dir: str | os.PathLike) -> list[dict]:
     """The learner's logged rows, oldest first (a line cut off by a kill is skipped)."""
-    from hpc_tba.runfiles import read_jsonl
+    from hpc_tba.checkpoint.runfiles import read_jsonl
 
     return read_jsonl(Path(run_dir) / METRICS)
 
@@ -110,8 +110,8 @@ def _fmt(v: float | None, unit: str) -> str:
 def verdict(run_dir: str, overrides: Sequence[str], *, restarts: int | None = None) -> tuple[bool, str]:
     """(PASS?, the one line) for the finished smoke run in `run_dir` composed from `overrides`."""
     from hpc_tba.assembly.compose import compose
-    from hpc_tba.planner import PlanOptions, make_plan
-    from hpc_tba.runfiles import latest_checkpoint
+    from hpc_tba.checkpoint.runfiles import latest_checkpoint
+    from hpc_tba.plan.planner import PlanOptions, make_plan
 
     cfg = compose([*overrides, f"run_dir={run_dir}"])
     restarts = int(os.environ.get("SLURM_RESTART_COUNT", 0)) if restarts is None else restarts
@@ -150,7 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ok, line = verdict(args[1], [a for a in args[2:] if not a.startswith("run_dir=")])
         print(line, flush=True)
         return 0 if ok else 1
-    print("usage: python -m hpc_tba.launcher.smoke {preempt RUN_DIR STEP | verdict RUN_DIR <overrides>}",
+    print("usage: python -m hpc_tba.cli.smoke {preempt RUN_DIR STEP | verdict RUN_DIR <overrides>}",
           file=sys.stderr)
     return 2
 

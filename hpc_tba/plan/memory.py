@@ -235,7 +235,7 @@ class Plan:
     """Bytes of each weight-sync bucket on the wire, as the planner counts them."""
     sync_s: tuple[float, float] = (0.0, 0.0)
     """Seconds one version of the weight sync takes to leave the learners, (over every NIC of
-    learner rank 0's node, through one of them): hpc_tba.plan_sync."""
+    learner rank 0's node, through one of them): hpc_tba.plan.sync."""
     host_bytes: dict[str, float] = dataclasses.field(default_factory=dict)
     """Host memory each kind of node needs (keys: NODE_KINDS), what `hpc-tba doctor` checks a
     node's /proc/meminfo against."""

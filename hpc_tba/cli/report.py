@@ -17,7 +17,7 @@ import os
 
 import numpy as np
 
-from hpc_tba.runfiles import read_json, read_jsonl
+from hpc_tba.checkpoint.runfiles import read_json, read_jsonl
 
 
 def load_run(run_dir: str) -> dict:
