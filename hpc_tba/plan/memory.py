@@ -25,7 +25,7 @@ Logits: the learner computes log-probs of the chosen tokens in chunks of
 in the training dtype (a V per position), its fp32 log-softmax (4 V) and that tensor's gradient
 (4 V) in the backward.
 
-Weight staging of a searcher (the receiver's memory, comm/weight_sync/receiver.py): `device` keeps one
+Weight staging of a searcher (the receiver's memory, comm/weight_sync/staging.py): `device` keeps one
 whole version in the wire dtype (the engine's) on the engine's GPU plus the bucket being
 received; `host` keeps the version in pinned host memory and the bucket being received on the
 GPU (NCCL does not receive into host memory); `stream`

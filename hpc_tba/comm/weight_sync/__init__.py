@@ -35,7 +35,10 @@ stream loads each bucket into the engine as it arrives (WeightReceiver's docstri
 - `manifest.py`: the header flags, the wire dtypes and the `Manifest` both sides agree on.
 - `group.py`: the sync group (`new_group`) and the broadcasts from its rank 0.
 - `sender.py`: `WeightSender`, the learner side (ZeRO-3 gathers overlapped with broadcasts).
-- `receiver.py`: `WeightReceiver`, the searcher side, and the staging's memory (`staging_bytes`).
+- `staging.py`: the staging modes, their memory (`staging_bytes`, which the planner counts) and the
+  forms a version is handed to the searcher in (`StagedWeights`, `StreamedWeights`).
+- `receiver.py`: `WeightReceiver`, the searcher side (a thread receives into that staging).
+- `engine_offers.py`: the receiver's end of an out-of-process engine's feed (`WorkerVersion`).
 - `worker_groups.py`: out-of-process engines' workers join the broadcast themselves (one engine
   group per engine on the sync group's store, offers and decisions on the host); engine/worker_sync.py
   is their end.
@@ -44,6 +47,7 @@ stream loads each bucket into the engine as it arrives (WeightReceiver's docstri
   `send()` never waits for an out-of-process engine.
 """
 # The package's public names, from the module that defines each (importers use these).
+from hpc_tba.comm.weight_sync.engine_offers import WorkerVersion
 from hpc_tba.comm.weight_sync.group import (
     GROUP_TIMEOUT_S,
     attach_store,
@@ -54,16 +58,15 @@ from hpc_tba.comm.weight_sync.group import (
     wait_header,
 )
 from hpc_tba.comm.weight_sync.manifest import FLAG_EVAL, FLAG_STOP, WIRE_DTYPES, Manifest, wire_dtype_name
-from hpc_tba.comm.weight_sync.receiver import (
+from hpc_tba.comm.weight_sync.receiver import WeightReceiver
+from hpc_tba.comm.weight_sync.sender import WeightSender
+from hpc_tba.comm.weight_sync.staging import (
     STAGING_MODES,
     StagedWeights,
     StreamedWeights,
-    WeightReceiver,
-    WorkerVersion,
     resolve_staging,
     staging_bytes,
 )
-from hpc_tba.comm.weight_sync.sender import WeightSender
 
 __all__ = ["FLAG_EVAL", "FLAG_STOP", "GROUP_TIMEOUT_S", "STAGING_MODES", "WIRE_DTYPES", "Manifest",
            "StagedWeights", "StreamedWeights", "WeightReceiver", "WeightSender", "WorkerVersion", "broadcast_async",

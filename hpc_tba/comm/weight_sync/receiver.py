@@ -1,99 +1,27 @@
-"""Searcher side of the weight sync: a thread receives every version, bucket by bucket, into
-bounded staging (device, host or stream), and the staging's memory formula the planner counts."""
+"""Searcher side of the weight sync: `WeightReceiver`, whose thread receives every version from the
+sync group, bucket by bucket, into bounded staging (device, host or stream: staging.py), and whose
+methods hand the versions to the searcher. An out-of-process engine whose workers receive
+themselves is served through its `EngineOffers` base (engine_offers.py)."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import math
 import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
 
+from hpc_tba.comm.weight_sync.engine_offers import EngineOffers, WorkerVersion
 from hpc_tba.comm.weight_sync.group import acknowledge_stop, broadcast_pieces, register_host, wait_header
 from hpc_tba.comm.weight_sync.manifest import FLAG_EVAL, FLAG_STOP, Manifest
+from hpc_tba.comm.weight_sync.staging import STAGING_MODES, StagedWeights, StreamedWeights
 
 
-@dataclasses.dataclass
-class StagedWeights:
-    version: int
-    flags: int
-    tensors: list[tuple[str, torch.Tensor]]
-    """(name, tensor in the wire dtype): views into the receiver's one version buffer; read them
-    inside `WeightReceiver.reading()` (the next version overwrites the buffer)."""
-
-
-@dataclasses.dataclass
-class StreamedWeights:
-    """A version whose buckets are still arriving (staging=stream): iterate `tensors()` once,
-    straight into the engine; each bucket is received while the one before it is loaded."""
-
-    version: int
-    flags: int
-    tensors: Callable[[], Iterator[tuple[str, torch.Tensor]]]
-
-
-class WorkerVersion:
-    """A version an out-of-process engine's workers are receiving from the learner themselves
-    (worker_groups.py): `StreamedWeights.tensors()` of a receiver serving such an engine. The
-    engine loads it (`VLLMEngine.load_weights`) and calls `done()`; `abandon()` tells the workers
-    nobody will (they drain the rest)."""
-
-    def __init__(self, version: int, slot, k: int, consumed: threading.Event):
-        self.version, self.slot, self.k, self._consumed = version, slot, k, consumed
-
-    def done(self) -> None:
-        self._consumed.set()
-
-    def abandon(self) -> None:
-        self.slot.abandon(self.k)
-        self.done()
-
-    def __iter__(self):
-        raise TypeError("a WorkerVersion is received by the engine's workers, not iterated here: "
-                        "load it with an out-of-process VLLMEngine")
-
-
-STAGING_MODES = ("device", "host", "stream")
-
-
-def staging_bytes(manifest: Manifest, staging: str) -> int:
-    """The searcher's sync memory (bytes the receiver allocates at most) for a manifest: device and
-    host staging hold one whole version plus one bucket (the bucket an NCCL receive lands in
-    before host staging, or a skipped version is drained into); stream holds two buckets, three
-    while the loader still references the last tensor of both when it asks for the next (a loop
-    variable does; `_consume` then allows one more rather than deadlock)."""
-    itemsize = torch.empty((), dtype=manifest.dtype).element_size()
-    bucket = manifest.largest_bucket_numel * itemsize
-    if staging == "stream":
-        return 3 * bucket  # two, and the one more allowed while a loader still holds both
-    if staging in ("device", "host"):
-        return manifest.total_bytes + bucket
-    raise ValueError(f"weight staging {staging!r} is not one of {STAGING_MODES}")
-
-
-def resolve_staging(staging: str, device: str, manifest: Manifest, *,
-                    update: str = "between_rounds") -> str:
-    """searcher.staging with `auto` resolved: stream, for every device, manifest and update mode
-    (issue 24's rule: no process on a searcher node holds more than a few buckets of a version).
-    With in-flight updates the engine takes each version between two decode steps; with
-    between-rounds updates a version announced during a round is skipped (drained into one
-    bucket, `searcher/versions_skipped`) and the searcher, at the end of the round, waits at most
-    one round's time for the next one (docs/SEARCHERS.md). `device`/`host` (a whole version
-    waiting in memory, so the next round starts at once) are opt-in."""
-    del device, manifest, update  # auto no longer depends on them (kept: the callers' signature)
-    if staging == "auto":
-        return "stream"
-    if staging not in STAGING_MODES:
-        raise ValueError(f"searcher.staging={staging!r} is not auto or one of {STAGING_MODES}")
-    return staging
-
-
-class WeightReceiver:
+class WeightReceiver(EngineOffers):
     """Searcher side: a thread receives every version, bucket by bucket, into bounded staging.
 
     `device` is where broadcasts land (the sync group's device: cuda for NCCL). `staging`:
@@ -263,55 +191,6 @@ class WeightReceiver:
             self._latest = self._complete = staged
             self._announce(version, flags)
 
-    def _to_workers(self, version: int, flags: int, on_sync: bool, reaches: bool) -> None:
-        """A version's header, to a searcher whose out-of-process engine's workers receive
-        themselves: its data comes through the learner's feed for this engine (`_offers`); here
-        a version that does not reach the engine (no group yet) is skipped, and data the learner
-        still sent on the sync group (in-process searchers share it) is drained into one bucket."""
-        if not reaches:
-            self._skip([(version, flags)])
-        if on_sync:
-            self._drain(version, skipped=False)
-
-    def _skip(self, versions: list[tuple[int, int]]) -> None:
-        with self._cond:
-            for version, flags in versions:
-                self.skipped_versions.append(version)
-                if flags & FLAG_EVAL:
-                    self._pending_eval.append(version)  # evaluated with the next version loaded
-
-    def _offers(self, slot) -> None:
-        """The searcher's end of its engine's feed (thread, one per engine built): for each
-        version offered, decide on the host whether the workers load it (the searcher takes it
-        as a `WorkerVersion`) or not (busy: it is not sent), and wait until it was loaded. The
-        versions the feed skipped (busy with an older one) are counted here."""
-        from hpc_tba.comm.weight_sync.worker_groups import wait_offer
-
-        store, k = slot.offers(), 0
-        gone = lambda: self.stopped or self._offer_slot is not slot  # noqa: E731
-        try:
-            while (got := wait_offer(store, k, stop=gone)) is not None:
-                version, flags, missed = got
-                self._skip(missed)
-                with self._cond:
-                    accept = self.accepting and not gone()
-                    if slot.decide(version, flags, accept) != k:
-                        raise RuntimeError(f"engine weight sync: decision out of step at offer {k}")
-                    if accept:
-                        self._consumed.clear()
-                        wv = WorkerVersion(version, slot, k, self._consumed)
-                        self._latest = StreamedWeights(version, flags, lambda wv=wv: wv)
-                        self._announce(version, flags)
-                if accept:
-                    self._consumed.wait()
-                else:
-                    self._skip([(version, flags)])
-                k += 1
-        except BaseException as e:  # surfaced to the searcher's main loop by take()
-            self.error = e
-            with self._cond:
-                self._cond.notify_all()
-
     def _stream(self, version: int, flags: int) -> None:
         """Stream staging: hand the version out now; receive bucket b once fewer than two buckets
         are alive (freed by whoever held them last: the engine's loader, usually). A version that
@@ -437,34 +316,6 @@ class WeightReceiver:
                 return
             for _ in got:
                 pass
-
-    def serve_engine(self, engine) -> None:
-        """From now on, an out-of-process engine's workers receive every version themselves
-        (worker_groups.py); an in-process engine keeps this receiver's staging. Call it with
-        every engine the searcher builds (a rebuilt one joins a fresh group)."""
-        with self._cond:  # a version accepted for the previous engine's workers: gone with them
-            old = self._latest
-            if self._workers is not None:
-                self._offer_slot = None  # the old engine's offers thread accepts nothing more
-                if isinstance(old, StreamedWeights):
-                    self._latest = None
-                    self.skipped_versions.append(old.version)
-                    old.tensors().abandon()
-        join = getattr(engine, "join_weight_sync", None)
-        if join is None or getattr(engine, "in_process", True):
-            with self._cond:
-                self._workers = None
-            return
-        from hpc_tba.comm.weight_sync.worker_groups import register_engine
-
-        slot = register_engine(self.group, tp=engine.cfg.tensor_parallel_size)
-        join(slot, self.manifest)
-        with self._cond:
-            self._workers = self._offer_slot = slot
-            self.staging = "stream"  # what the workers do: the searcher's windows apply
-        self._offer_thread = threading.Thread(target=self._offers, args=(slot,), daemon=True,
-                                              name="engine-weight-offers")
-        self._offer_thread.start()
 
     def wait_for(self, version: int, timeout: float | None = None) -> bool:
         """Block until a version >= `version` has been received (False on timeout or stop)."""
