@@ -65,7 +65,7 @@ def captured_step(learner, data, *, full_grad, gathered) -> dict:
     """One train_step on `data` (given to the replica's leader): the log-probs, the whole gradient
     before the update (`full_grad(p)`; the clipping acts after it), the loss metric and the whole
     weights after it (read inside `gathered(params)`)."""
-    from hpc_tba.roles import learner as learner_mod
+    from hpc_tba.roles import train_step as learner_mod  # the module that calls microbatch.accumulate
 
     seen, step, accumulate = {}, learner.engine.step, learner_mod.microbatch.accumulate
 
