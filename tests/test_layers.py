@@ -161,6 +161,14 @@ def test_no_import_cycle_between_rooms():
     assert _cycles(rooms) == []
 
 
+MAX_MODULE_LINES = 420
+
+
+def test_every_module_has_one_job_and_at_most_420_lines():
+    long = {m: n for m, f in _modules().items() if (n := len(f.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not long, f"split these modules where they have two jobs (at most {MAX_MODULE_LINES} lines): {long}"
+
+
 def test_cycle_finder_finds_a_cycle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 

@@ -86,6 +86,12 @@ def test_srun_command_and_site_options():
     assert 'export NCCL_SOCKET_IFNAME="ib0"' in text
 
 
+def test_the_cpu_test_cluster_runs_mpich_over_ofi_tcp():
+    # configs/cluster/slurm_cpu.yaml says why: Slurm 22.05's pmi2 plugin splits UCX's long PMI lines.
+    text = sbatch.sbatch_script(compose(["cluster=slurm_cpu"]), ["cluster=slurm_cpu"], name="x")
+    assert 'export MPIR_CVAR_CH4_NETMOD="ofi"' in text and 'export FI_PROVIDER="tcp"' in text
+
+
 def test_expand_nodelist():
     assert slurm.expand_nodelist("n[1-3]") == ["n1", "n2", "n3"]
     assert slurm.expand_nodelist("gpu[008-010,012],login1") == [

@@ -58,7 +58,6 @@ def test_rank_entry_checkpoint_requeues_the_same_ranks():
 
 @pytest.mark.long
 @pytest.mark.mpi
-@pytest.mark.skipif(not (REPO / "hpc_tba" / "run.py").exists(), reason="hpc_tba.cli.rank not written yet")
 def test_launch_local_executor_completes(tmp_path):
     overrides = ["learner.total_steps=3", "learner.eval_every=0", f"run_dir={tmp_path / 'run'}"]
     job = submit.launch(compose(overrides), executor="local", overrides=overrides,

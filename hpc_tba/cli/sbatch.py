@@ -2,13 +2,13 @@
 
 Job life cycle (the submitit protocol, without submitit):
   sbatch slurm/<name>.sh  ->  srun --mpi=pmi2 places ranks by the topology (arbitrary distribution
-  from a host file)  ->  every rank runs `python -m hpc_tba.cli.main.rank <overrides>`  ->  `--signal=USR1@g`
+  from a host file)  ->  every rank runs `python -m hpc_tba.cli.rank <overrides>`  ->  `--signal=USR1@g`
   reaches every rank g seconds before the time limit  ->  the handler only sets a flag
   (hpc_tba/launcher/slurm.py)  ->  roles see it at a step boundary, checkpoint, and rank 0 calls
   `requeue()`  ->  Slurm restarts the same job id (SLURM_RESTART_COUNT + 1) on the same run
   directory, which resumes from the checkpoint.
 
-`python -m hpc_tba.cli.main.scripts sbatch <overrides>` prints a script; `... write-scripts`
+`python -m hpc_tba.cli.scripts sbatch <overrides>` prints a script; `... write-scripts`
 regenerates slurm/*.sh (a test checks they equal the generator's output).
 """
 from __future__ import annotations

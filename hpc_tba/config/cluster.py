@@ -26,7 +26,7 @@ class ClusterConfig:
     engine_threads: int = ranged(1, ge=1)
     """OpenMP/MKL threads of each process of an out-of-process vLLM engine (its engine core and
     each tensor-parallel worker, which mostly wait on the GPU); a searcher task gets
-    threads_per_rank + (1 + TP) x engine_threads CPUs (launcher.slurm.role_cpus)."""
+    threads_per_rank + (1 + TP) x engine_threads CPUs (cli.sbatch.role_cpus)."""
     cpus_per_node: int = ranged(0, ge=0, note="0: unchecked")
     """CPUs Slurm can give per node, to check that every node's tasks get theirs (0: unchecked)."""
     dist_backend: str = "auto"

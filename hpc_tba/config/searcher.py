@@ -59,7 +59,8 @@ class SearcherConfig:
     """GPU engines: GPUs one engine spans."""
     engine_process: bool = False
     """Run the vLLM engine in child processes (vLLM V1 multiprocessing) instead of inside the
-    searcher's process; weights reach its workers over a per-engine channel. Always on when
+    searcher's process; its workers receive the weight sync themselves, on the engine's own group
+    with learner rank 0 (docs/SEARCHERS.md). Always on when
     tensor_parallel_size > 1 (vLLM's tensor-parallel workers are processes of their own)."""
     dtype: str = "float32"
     """Engine dtype (float32 on CPU so the engine's log-probs match the learner's)."""

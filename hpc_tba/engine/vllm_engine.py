@@ -14,10 +14,12 @@ always implies the second):
   (VLLM_ENABLE_V1_MULTIPROCESSING=0) and a weight update is a direct call of the worker's
   `reload_weights` (vLLM's layer-wise reload; plain `load_weights` fails on the CPU build).
 - Out of process: vLLM V1 multiprocessing, the EngineCore and its workers in child processes.
-  The searcher's process still receives the learner's broadcast and forwards each bucket, as it
-  arrives, to the workers through a per-engine channel (`worker_ext.py`: a gloo group of host
-  chunks, CPU and GPU alike) while they load it in place, bucket by bucket, inside one
-  `collective_rpc`. If an engine process dies, the call
+  The weight sync reaches the workers themselves: they receive learner rank 0's buckets on the
+  engine's own group and load them in place (worker_sync.py, comm/weight_sync/worker_groups.py;
+  the searcher's process only accepts or skips a version). Tensors handed over by a direct
+  `load_weights` call (tests, tools, a rebuilt engine reloading a staged version) travel through a
+  per-engine channel (`worker_ext.py`: a gloo group of host chunks, CPU and GPU alike), loaded
+  bucket by bucket inside one `collective_rpc`. If an engine process dies, the call
   waiting on it raises (`vllm_setup._EngineWatchdog`) and the searcher rebuilds the engine,
   channel and all. Children are spawned, with Slurm's preemption signals blocked (vllm_setup.py).
 

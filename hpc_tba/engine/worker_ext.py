@@ -7,8 +7,7 @@ handed over here by a direct call travels over a small **per-engine** gloo group
 (rank 0 = the searcher's process, ranks 1..TP = the workers), built with the engine on a fresh
 TCPStore port, so a rebuilt engine gets a fresh group and the learners' sync group is never
 touched. The same group and the same host buffers on CPU and GPU: a CUDA worker's loader copies
-each host bucket into its shard (docs/SEARCHERS.md says why this hop, not workers joining the
-learners' broadcast).
+each host bucket into its shard.
 
 Bounded on both ends, nothing sized by the model: the searcher sends a chunk (at most
 `bucket_bytes`, or one tensor larger than that) as soon as its tensors are there, broadcasting

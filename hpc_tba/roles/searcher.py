@@ -43,8 +43,9 @@ Each round logs where the searcher's time went (`util/generate`, `util/apply`, `
 `util/wait`; roles.logging.Timers).
 
 Engine faults: if the engine raises (a crashed worker, an out-of-memory, a CUDA error), the
-searcher discards it, builds a new one from `engine_factory`, reloads the newest weights it has
-applied (so it is back on the current version), and carries on; that round's samples are dropped
+searcher discards it, builds a new one from `engine_factory` (an out-of-process one joins a fresh
+engine group), loads a newer version waiting in its receiver, else the version it had applied if
+the staging still holds it whole, else waits for the next one sent, and carries on; that round's samples are dropped
 (nothing had been sent). The learner never notices beyond a gap in this searcher's traffic.
 After `max_engine_restarts` consecutive failures the searcher gives up and the rank fails.
 Fault injection for tests: HPC_TBA_FAULT_ENGINE_ROUNDS="3,7" raises inside rounds 3 and 7.
