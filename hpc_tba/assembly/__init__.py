@@ -1,4 +1,4 @@
-"""Assembly (layer 4): everything that composes the parts into a run.
+"""Assembly (layer 5, docs/ARCHITECTURE.md): everything that composes the parts into a run.
 
 The rank set-up (`rank.py`: transport, topology, placement check, device and core pinning,
 preemption signals), building the role a rank plays from the config (`build.py`), and building
