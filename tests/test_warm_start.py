@@ -36,7 +36,7 @@ def test_old_caches_are_not_reused():
 @pytest.mark.parametrize("checks, what", [([0.1, 0.3, 0.7], "jumped over"), ([0.1, 0.2, 0.3], "never reached")])
 def test_a_band_it_cannot_stop_in_is_a_clear_error(checks, what, monkeypatch):
     seq = iter(checks)
-    monkeypatch.setattr(tiny, "greedy_pass_at_1", lambda *a, **k: next(seq))
+    monkeypatch.setattr(embedded, "greedy_pass_at_1", lambda *a, **k: next(seq))
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tok = tiny.build_tokenizer()
