@@ -44,6 +44,13 @@ def test_bench_sp_prints_its_figures():
         assert _figure(out, name) > 0
 
 
+def test_bench_packing_prints_its_figures():
+    out = _run("bench_packing.py", "--size", "1m", "--groups", "1", "--k", "2", "--micro", "2",
+               "--max-response", "32", "--spread", "4", "--steps", "1")
+    assert _figure(out, "packed/padded tokens/s") > 0
+    assert _figure(out, "packed/padded loss max abs diff") >= 0
+
+
 def test_bench_weight_sync_prints_its_figures():
     out = _run("bench_weight_sync.py", "--params", "2e6", "--bucket-mb", "1", "--repeats", "1",
                "--engine-bucket-mb", "1", "--engine-buckets", "32")

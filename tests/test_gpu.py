@@ -24,6 +24,8 @@
 7. Ulysses sequence parallelism's kernels: SP 2 over a GQA Llama in bf16 with sdpa, both ranks
    on this one GPU (the all-to-alls over gloo), equal to the whole sequence to bf16's precision.
 8. The learner's memory figures on the device (torch's peak reserved, the driver's used bytes).
+9. Packed micro-batches (learner.micro_batch_tokens): one packed row against padded rows, fp32 and
+   bf16, sdpa with the block mask transformers builds from the position ids.
 
 Each test skips, with the reason, where CUDA, deepspeed or a second GPU is missing.
 HPC_TBA_GPU_TESTS_ON_CPU=1 rehearses the file on a CPU machine (gloo, DeepSpeed's CPU
@@ -529,3 +531,30 @@ def test_learner_memory_figures_on_the_device():
     else:
         assert peak >= 0.25 and used >= peak, (peak, used)
     del x
+
+
+def test_packed_rows_on_the_device_give_the_padded_log_probs():
+    """Packed micro-batches' kernels on the device (learner.micro_batch_tokens): a GQA Llama in
+    bf16 with sdpa, one packed row (transformers' block mask from the position ids) against padded
+    rows, to bf16's precision; and fp32 to 1e-5."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hpc_tba.roles.policy import pack, response_logprobs
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+                      attn_implementation="sdpa")
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 128, (int(n),), generator=gen).numpy() for n in (5, 17, 9, 3)]
+    responses = [torch.randint(3, 128, (int(n),), generator=gen).numpy() for n in (40, 3, 21, 64)]
+    rows = torch.arange(4, device=DEVICE)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 0.1)):
+        model = LlamaForCausalLM(cfg).to(DEVICE, dtype).eval()
+        with torch.no_grad():
+            want = response_logprobs(model, pack(prompts, responses, pad_id=0, device=DEVICE).select(rows),
+                                     temperature=0.7)
+            got = response_logprobs(model, pack(prompts, responses, pad_id=0, device=DEVICE, packing=True).select(rows),
+                                    temperature=0.7)
+        assert got.device.type == DEVICE and int((got != 0).sum()) == sum(len(r) for r in responses)
+        assert (got - want).abs().max().item() < tol, (dtype, (got - want).abs().max().item())

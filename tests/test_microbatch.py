@@ -71,12 +71,15 @@ def _inputs(d, rows, packed):
                       advantages=torch.tensor(d["adv"][rows], **f64))
 
 
-def _grads(case: str, rows, *, micro: int | None, reduce_max=None, all_reduce=None, naive=False):
-    """Flat gradient on `rows` (one batch when micro is None, else accumulated micro-batches)."""
+def _grads(case: str, rows, *, micro: int | None, reduce_max=None, all_reduce=None, naive=False,
+           tokens: int = 0):
+    """Flat gradient on `rows` (one batch when micro is None, else accumulated micro-batches: of
+    `micro` rows, or, with `tokens`, packed bins of at most that many tokens)."""
     d, model = _data(), _model()
     rows = np.asarray(rows)
     cfg = make_config(**CASES[case])
-    packed = pack([d["prompts"][i] for i in rows], [d["responses"][i] for i in rows], pad_id=0)
+    packed = pack([d["prompts"][i] for i in rows], [d["responses"][i] for i in rows], pad_id=0,
+                  packing=bool(tokens))
     x = _inputs(d, rows, packed)
     units = loss_units(cfg, x)
     if all_reduce is not None:
@@ -99,7 +102,11 @@ def _grads(case: str, rows, *, micro: int | None, reduce_max=None, all_reduce=No
                                    step=0, normalizer=norm)
             loss.backward()
     else:
-        p = microbatch.plan(packed.response_mask.sum(-1).numpy(), d["gid"][rows], micro)
+        if tokens:
+            lengths = np.array([len(d["prompts"][i]) + len(d["responses"][i]) for i in rows])
+            p = microbatch.plan_tokens(lengths, d["gid"][rows], tokens)
+        else:
+            p = microbatch.plan(packed.response_mask.sum(-1).numpy(), d["gid"][rows], micro)
         if reduce_max is not None:
             p = microbatch.agree(p, reduce_max)
         loss, _, _ = microbatch.accumulate(cfg, x, p, logp_fn=logp_fn,
@@ -119,6 +126,14 @@ def test_accumulated_gradient_equals_one_batch(case, micro):
     ref = _grads(case, ALL, micro=None)
     got = _grads(case, ALL, micro=micro)
     assert ref.abs().max() > 0
+    torch.testing.assert_close(got, ref, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("tokens", [13, 40, 400])  # groups split; whole groups in bins; one bin
+def test_packed_token_bins_accumulate_the_one_batch_gradient(case, tokens):
+    ref = _grads(case, ALL, micro=None)
+    got = _grads(case, ALL, micro=0, tokens=tokens)
     torch.testing.assert_close(got, ref, rtol=1e-9, atol=1e-9)
 
 

@@ -24,6 +24,14 @@ class LearnerConfig:
     """Sequences in one forward/backward on one rank; the step's G x K sequences are split into
     micro-batches with gradient accumulation (the update equals the one-batch update). 0: K, one
     prompt group per micro-batch. Learner memory scales with this, never with G."""
+    micro_batch_tokens: int = ranged(0, ge=0, note="0: micro-batches of micro_batch_size sequences")
+    """Token budget of one forward/backward on one rank, in place of micro_batch_size: the step's
+    sequences are bin-packed (longest first; whole prompt groups when each fits) into micro-batches
+    that compute at most this many token positions, each packing several sequences to a row (rows
+    as long as its longest sequence; each sequence with its own position ids, attending only within
+    itself), with the same exact gradient accumulation. Only the rows' tails are padding, so a step
+    of RL's ragged responses costs about its real tokens. Every sequence must fit (at least
+    searcher.max_model_len). 0: rows of micro_batch_size."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass (transformers' gradient checkpointing)."""
     offload_optimizer: bool = False
@@ -114,6 +122,11 @@ class LearnerConfig:
                              f"learner.sequence_parallel_size={self.sequence_parallel_size}: tensor "
                              "and sequence parallelism do not combine in one DeepSpeed engine (AutoTP "
                              "replaces the engine's process groups); choose one")
+        if self.micro_batch_tokens and self.sequence_parallel_size > 1:
+            raise ValueError(f"learner.micro_batch_tokens={self.micro_batch_tokens} with "
+                             f"learner.sequence_parallel_size={self.sequence_parallel_size}: packed "
+                             "micro-batches under sequence parallelism are not built yet (the SP split "
+                             "numbers positions 0..L-1 across the whole row); use one or the other")
         if self.tensor_parallel_size > 1 and self.zero_stage != 3:
             raise ValueError(f"learner.tensor_parallel_size={self.tensor_parallel_size} needs "
                              f"learner.zero_stage=3 (got {self.zero_stage}): the learner's AutoTP path "

@@ -49,6 +49,11 @@ class RunConfig:
             raise ValueError(f"learner.mode=sync trains on K={self.searcher.k} of each prompt's "
                              f"samples: searcher.samples_per_prompt={self.searcher.samples_per_prompt}"
                              " must be >= searcher.k")
+        budget = self.learner.micro_batch_tokens
+        if budget and budget < self.searcher.max_model_len:
+            raise ValueError(f"learner.micro_batch_tokens={budget} is below searcher.max_model_len="
+                             f"{self.searcher.max_model_len}: a whole sequence (prompt + response) must "
+                             "fit one packed micro-batch")
         if self.learner.mode == "sync" and self.task.name == "offline":
             raise ValueError("learner.mode=sync needs searchers; task=offline trains from a file")
 

@@ -70,12 +70,13 @@ def meta_model(cfg: RunConfig, spec: ModelSpec):
     return model, source
 
 
-def _check(plan: Plan, label: str, planned, actual, unit: str = "") -> None:
-    """One row: the plan's figure, the code's figure, and a problem when they differ."""
+def _check(plan: Plan, label: str, planned, actual, unit: str = "", *, bound: bool = False) -> None:
+    """One row: the plan's figure, the code's figure, and a problem when they differ (`bound`:
+    when the code's exceeds the plan's, which is then an upper bound)."""
     def fmt(x):
         return f"{x / GiB:.3f} GiB" if unit == "GiB" else f"{x}"
 
-    ok = planned == actual
+    ok = actual <= planned if bound else planned == actual
     plan.lines.append(f"    {label:<44} plan {fmt(planned):>14}  code {fmt(actual):>14}  "
                       f"{'ok' if ok else 'MISMATCH'}")
     if not ok:
@@ -122,7 +123,9 @@ def _micro_batches(plan: Plan, cfg: RunConfig) -> None:
     prompt_len, resp_len = s.max_model_len - s.max_new_tokens, s.max_new_tokens
     lengths = np.full(g * k, prompt_len + resp_len)
     groups = np.repeat(np.arange(g), k)
-    split = microbatch.plan(lengths, groups, cfg.learner.micro_batch_size or k)
+    budget = cfg.learner.micro_batch_tokens
+    split = microbatch.plan_tokens(lengths, groups, budget) if budget else \
+        microbatch.plan(lengths, groups, cfg.learner.micro_batch_size or k)
     prompt, response = np.zeros(prompt_len, dtype=np.int64), np.zeros(resp_len, dtype=np.int64)
     # every SP rank's positions on the meta device (roles.parallel: the split the learner runs; SP 1:
     # all of them); the windows must tile the padded sequence
@@ -130,7 +133,8 @@ def _micro_batches(plan: Plan, cfg: RunConfig) -> None:
     peers = [parallel.SequenceParallel(size, r, None, 0) for r in range(size)]
     shapes = []
     for rows in split.rows:
-        ids = pack([prompt] * len(rows), [response] * len(rows), pad_id=0).input_ids.to("meta")
+        batch = pack([prompt] * len(rows), [response] * len(rows), pad_id=0, packing=bool(budget))
+        ids = batch.select(torch.arange(len(rows))).input_ids.to("meta")  # packed: one row of the bin
         windows = [sp.local_inputs(ids) for sp in peers]
         stops = [0] + [stop for _, _, stop in windows]
         if [start for _, start, _ in windows] != stops[:-1] or stops[-1] < ids.shape[1]:
@@ -141,9 +145,12 @@ def _micro_batches(plan: Plan, cfg: RunConfig) -> None:
     plan.lines.append(f"    micro-batches of a worst-case step ({g} x {k} sequences of "
                       f"{s.max_model_len} tokens): {len(shapes)} x {shapes[0]}"
                       f"{'' if len(set(shapes)) == 1 else f' .. {shapes[-1]}'}")
-    _check(plan, "sequences in the largest micro-batch", plan.micro_batch, max(r for r, _ in shapes))
-    _check(plan, "tokens in the largest micro-batch (per SP rank)", plan.micro_batch_tokens,
-           max(math.prod(x) for x in shapes))
+    tokens = max(math.prod(x) for x in shapes)
+    if budget:  # packed bins: the budget bounds every step's bins, whatever its sequences' lengths
+        _check(plan, "tokens in the largest packed micro-batch (<=)", plan.micro_batch_tokens, tokens, bound=True)
+        return
+    _check(plan, "sequences in the largest micro-batch", plan.micro_batch, max(len(r) for r in split.rows))
+    _check(plan, "tokens in the largest micro-batch (per SP rank)", plan.micro_batch_tokens, tokens)
 
 
 def _staging(plan: Plan, cfg: RunConfig, manifest) -> None:

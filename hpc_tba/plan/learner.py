@@ -25,9 +25,20 @@ GiB = 2**30
 
 
 def micro_batch_of(cfg: RunConfig) -> int:
-    """Sequences in one learner micro-batch: learner.micro_batch_size, 0 = K, at most G x K."""
+    """Sequences in one learner micro-batch: learner.micro_batch_size, 0 = K, at most G x K; with
+    learner.micro_batch_tokens, the whole sequences of searcher.max_model_len one packed bin holds."""
     lr, k = cfg.learner, cfg.searcher.k
+    if lr.micro_batch_tokens:
+        return max(1, min(lr.micro_batch_tokens // cfg.searcher.max_model_len, lr.prompts_per_step * k))
     return min(lr.micro_batch_size or k, lr.prompts_per_step * k)
+
+
+def micro_batch_positions(cfg: RunConfig, sp: int) -> int:
+    """Token positions of the largest micro-batch on one rank: the token budget (one packed row),
+    else micro-batch sequences x this SP rank's share of searcher.max_model_len."""
+    if cfg.learner.micro_batch_tokens:
+        return cfg.learner.micro_batch_tokens
+    return micro_batch_of(cfg) * -(-cfg.searcher.max_model_len // sp)
 
 
 def _gathered(spec: ModelSpec, tp: int, pb: int) -> float:
@@ -80,7 +91,7 @@ def _activation_total(cfg: RunConfig, spec: ModelSpec, sp: int, tp: int):
     lr, s = cfg.learner, cfg.searcher
     b = micro_batch_of(cfg)
     seq = -(-s.max_model_len // sp)  # this rank's positions of one sequence (roles.parallel)
-    act = activation_bytes(spec, tokens=b * seq, dtype_bytes=DTYPE_BYTES[lr.dtype],
+    act = activation_bytes(spec, tokens=micro_batch_positions(cfg, sp), dtype_bytes=DTYPE_BYTES[lr.dtype],
                            checkpointing=lr.gradient_checkpointing, tp=tp)
     return act.boundaries + act.live_layers, act, b, seq
 
@@ -89,9 +100,12 @@ def _activations(plan: Plan, cfg: RunConfig, spec: ModelSpec) -> float:
     lr, s = cfg.learner, cfg.searcher
     sp, tp = lr.sequence_parallel_size, lr.tensor_parallel_size
     total, act, b, seq = _activation_total(cfg, spec, sp, tp)
-    plan.micro_batch, plan.micro_batch_tokens = b, b * seq
+    plan.micro_batch, plan.micro_batch_tokens = b, micro_batch_positions(cfg, sp)
     src = "learner.micro_batch_size" if lr.micro_batch_size else "K (micro_batch_size 0)"
-    rows = f"{spec.num_layers} layers x {b} x {seq} tokens ({src}" + (
+    shape = f"{b} x {seq} tokens ({src}"
+    if lr.micro_batch_tokens:
+        shape = f"{lr.micro_batch_tokens} tokens (learner.micro_batch_tokens: one packed row"
+    rows = f"{spec.num_layers} layers x {shape}" + (
         f"; {s.max_model_len} / SP {sp})" if sp > 1 else f"; heads and MLP / TP {tp})" if tp > 1 else ")")
     if lr.gradient_checkpointing:
         plan.row("activations: layer inputs (checkpointing)", act.boundaries, rows)
@@ -99,7 +113,8 @@ def _activations(plan: Plan, cfg: RunConfig, spec: ModelSpec) -> float:
     else:
         plan.row("activations: every layer (no checkpointing)", act.live_layers, rows)
     plan.terms["activations"] = total
-    chunk = min(lr.logprob_chunk_tokens, b * -(-s.max_new_tokens // sp))
+    responses = lr.micro_batch_tokens or b * -(-s.max_new_tokens // sp)  # packed: at most the budget
+    chunk = min(lr.logprob_chunk_tokens, responses)
     return total + plan.row("logits: one chunk (+ fp32 log-softmax, grad)",
                             logit_bytes(spec, chunk_tokens=chunk, dtype_bytes=DTYPE_BYTES[lr.dtype]),
                             f"{chunk} positions x vocab {spec.vocab_size} (replicated head)", key="logits")
@@ -187,15 +202,21 @@ def _learner_refusal(plan: Plan, cfg: RunConfig, spec: ModelSpec, total: float, 
     states = t["params"] + t["grads"] + t["optimizer"] + t["reference"]
     # activations are the lever when they are the larger term, or when shrinking them alone would fit
     if t["activations"] >= states or t["activations"] > total - capacity:
-        smaller = " or lower learner.micro_batch_size" if plan.micro_batch > 1 else ""
+        knob = "learner.micro_batch_tokens" if lr.micro_batch_tokens else "learner.micro_batch_size"
+        # a packed bin shrinks down to one whole sequence (searcher.max_model_len)
+        room = lr.micro_batch_tokens > cfg.searcher.max_model_len if lr.micro_batch_tokens else plan.micro_batch > 1
+        smaller = f" or lower {knob}" if room else ""
         if not lr.gradient_checkpointing:
             return (f"{head}: activations without gradient checkpointing take "
                     f"{t['activations'] / GiB:.1f} GiB (every layer of {plan.micro_batch_tokens} "
                     f"tokens): set learner.gradient_checkpointing=true{smaller}")
-        what = f"{head}: activations of a {plan.micro_batch}-sequence micro-batch take {t['activations'] / GiB:.1f} GiB"
-        if plan.micro_batch > 1:
-            return f"{what}: lower learner.micro_batch_size"
-        return f"{what}: {_next_lever(cfg, plan, spec, total, capacity)}"
+        size = f"{lr.micro_batch_tokens}-token packed" if lr.micro_batch_tokens else f"{plan.micro_batch}-sequence"
+        what = f"{head}: activations of a {size} micro-batch take {t['activations'] / GiB:.1f} GiB"
+        if room:
+            return f"{what}: lower {knob}"
+        packed = "set learner.micro_batch_tokens=0 (packing does not combine with SP) and " \
+            if lr.micro_batch_tokens else ""
+        return f"{what}: {packed}{_next_lever(cfg, plan, spec, total, capacity)}"
     return (f"{head}: model states take {states / GiB:.1f} GiB: add learner nodes, or offload "
             f"(learner.offload_optimizer=true, learner.offload_params=true)")
 

@@ -226,9 +226,11 @@ class Plan:
     """Bytes of each learner term per rank (keys: params, grads, optimizer, reference, gathered,
     activations, logits) and of the searcher staging (staging_device, staging_host)."""
     micro_batch: int = 0
-    """Sequences per micro-batch the learner runs (learner.micro_batch_size, 0 = K)."""
+    """Sequences per micro-batch the learner runs (learner.micro_batch_size, 0 = K; packed: the
+    whole max_model_len sequences a learner.micro_batch_tokens bin holds)."""
     micro_batch_tokens: int = 0
-    """Token positions of the largest micro-batch (micro_batch x max_model_len)."""
+    """Token positions of the largest micro-batch on one rank (micro_batch x max_model_len / SP,
+    or learner.micro_batch_tokens)."""
     staging: str = ""
     """searcher.staging with auto resolved."""
     buckets: list[int] = dataclasses.field(default_factory=list)

@@ -30,6 +30,12 @@ The normaliser is the global one of the step, so the loss is the same function a
 micro-batching. Reported loss and metrics come from one no-grad evaluation on the assembled
 log-probs of the whole step: the values the one-batch step reports.
 
+With a token budget (`plan_tokens`, learner.micro_batch_tokens) the micro-batches are bins of at
+most that many tokens instead, filled longest first (first-fit decreasing): whole prompt groups
+when every group fits a bin, else single sequences (split, as above); each bin then runs as one
+packed row (roles.policy), so no padding is computed. The rules above hold unchanged: only which
+rows go together differs.
+
 Every learner rank must run the same number of forwards (ZeRO-3 gathers parameters in each):
 `agree` makes the count (and whether a context pass runs) the maximum over ranks, splitting the
 largest micro-batches of ranks that have fewer, or adding a zero-weight one.
@@ -44,7 +50,7 @@ import torch
 
 from hpc_tba.config import AlgoConfig
 from hpc_tba.losses import LossInputs, compute_loss, group_coupled
-from hpc_tba.roles.policy import PackedBatch
+from hpc_tba.roles.policy import PackedBatch, pack_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +89,42 @@ def plan(lengths: np.ndarray, group_ids: np.ndarray, micro: int) -> MicroPlan:
         return MicroPlan([np.sort(np.asarray(r, dtype=np.int64)) for r in out], split=False)
     order = np.argsort(-lengths, kind="stable")
     return MicroPlan([np.sort(order[s: s + micro]) for s in range(0, len(order), micro)], split=True)
+
+
+def plan_tokens(lengths: np.ndarray, group_ids: np.ndarray, budget: int) -> MicroPlan:
+    """Micro-batches of at most `budget` token positions as they run packed (`packed_positions`:
+    rows as long as the bin's longest sequence), bin-packed longest first: whole groups when each
+    group fits one bin, else single sequences (module docstring)."""
+    lengths, group_ids = np.asarray(lengths), np.asarray(group_ids)
+    if lengths.shape != group_ids.shape or lengths.ndim != 1 or lengths.size == 0:
+        raise ValueError(f"plan_tokens needs equal non-empty [B] lengths and group ids, got "
+                         f"{lengths.shape} and {group_ids.shape}")
+    if int(lengths.max()) > budget:
+        i = int(lengths.argmax())
+        raise ValueError(f"a sequence of {int(lengths[i])} tokens (row {i}) exceeds "
+                         f"learner.micro_batch_tokens={budget}: raise the budget to at least the longest "
+                         "prompt + response (searcher.max_model_len)")
+    groups: dict[int, list[int]] = {}
+    for i, g in enumerate(group_ids.tolist()):
+        groups.setdefault(g, []).append(i)
+    split = max(packed_positions(lengths[rows]) for rows in groups.values()) > budget
+    items = [[i] for i in range(lengths.size)] if split else list(groups.values())
+    items.sort(key=lambda rows: -int(lengths[rows].sum()))  # stable: ties keep their order
+    bins: list[list[int]] = []
+    for rows in items:  # first fit: the first bin whose packed rows stay within the budget
+        at = next((b for b, have in enumerate(bins) if packed_positions(lengths[have + rows]) <= budget), None)
+        if at is None:
+            bins.append([])
+            at = len(bins) - 1
+        bins[at].extend(rows)
+    return MicroPlan([np.sort(np.asarray(b, dtype=np.int64)) for b in bins], split=split)
+
+
+def packed_positions(lengths: np.ndarray) -> int:
+    """Token positions a packed micro-batch of these sequences computes: its rows (roles.policy
+    `pack_rows`) x its longest sequence, the tails' padding included."""
+    lengths = [int(n) for n in lengths]
+    return len(pack_rows(lengths)[2]) * max(lengths)
 
 
 def agree(p: MicroPlan, reduce_max: Callable[[dict[str, float]], dict[str, float]]) -> MicroPlan:

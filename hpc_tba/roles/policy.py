@@ -22,13 +22,18 @@ import torch
 
 @dataclasses.dataclass(frozen=True)
 class PackedBatch:
-    """Prompt+response sequences right-padded, with response-token bookkeeping."""
+    """Prompt+response sequences with response-token bookkeeping: one right-padded row per
+    sequence, or (`packed`) several sequences concatenated in one row, each with its own
+    position ids, attending only within itself."""
 
-    input_ids: torch.Tensor  # [B, L] prompt then response, right-padded
-    attention_mask: torch.Tensor  # [B, L]
+    input_ids: torch.Tensor  # [B, L] prompt then response, right-padded; packed: [R, L'] rows of sequences
+    attention_mask: torch.Tensor | None  # [B, L]; packed: None (the position ids delimit sequences)
     response_ids: torch.Tensor  # [B, T] response tokens, right-padded with 0
     response_mask: torch.Tensor  # [B, T] bool, True on response tokens
-    logit_index: torch.Tensor  # [B, T] position in input_ids whose logits predict the token
+    logit_index: torch.Tensor  # [B, T] position in its input_ids row whose logits predict the token
+    position_ids: torch.Tensor | None = None  # packed: [R, L'], 0.. again at each sequence's start
+    hidden_row: torch.Tensor | None = None  # packed: [B] the input_ids row each sequence is in
+    packing: bool = False  # `select` packs the rows it takes (learner.micro_batch_tokens)
 
     @property
     def num_response_tokens(self) -> int:
@@ -39,17 +44,59 @@ class PackedBatch:
         return self.input_ids.device
 
     def select(self, rows: torch.Tensor) -> PackedBatch:
-        """The given rows, padded only to their own longest sequence and response."""
+        """The given rows, padded only to their own longest sequence and response, or, when
+        `packing`, packed several to a row (`_packed`)."""
         attn, rmask = self.attention_mask[rows], self.response_mask[rows]
-        seq_len = max(1, int(attn.sum(dim=-1).max())) if rows.numel() else 1
         t = max(1, int(rmask.sum(dim=-1).max())) if rows.numel() else 1
+        if self.packing:
+            return self._packed(rows, attn, t)
+        seq_len = max(1, int(attn.sum(dim=-1).max())) if rows.numel() else 1
         return PackedBatch(self.input_ids[rows, :seq_len], attn[:, :seq_len], self.response_ids[rows, :t],
                            rmask[:, :t], self.logit_index[rows, :t])
 
+    def _packed(self, rows: torch.Tensor, attn: torch.Tensor, t: int) -> PackedBatch:
+        """The sequences of `rows` packed into rows as long as the longest of them (first fit,
+        longest first): attention is dense within a row (sdpa's block mask), so a row no longer
+        than a padded one costs no more, and only the rows' tails are padding. A tail counts its
+        positions from 0, a sequence of its own that no response reads."""
+        lengths = attn.sum(dim=-1).tolist()
+        row_of, start, room = pack_rows(lengths)
+        cap = max(lengths)
+        dev = self.input_ids.device
+        ids = torch.full((len(room), cap), 0, dtype=torch.long, device=dev)
+        positions = torch.arange(cap, device=dev).repeat(len(room), 1)
+        src = self.input_ids[rows]
+        for i, (r, s, n) in enumerate(zip(row_of, start, lengths)):
+            ids[r, s:s + n] = src[i, :n]
+            positions[r, s:s + n] = torch.arange(n, device=dev)
+        for r, free in enumerate(room):  # the tail: its own sequence, counted from 0
+            positions[r, cap - free:] = torch.arange(free, device=dev)
+        hidden_row = torch.tensor(row_of, dtype=torch.long, device=dev)
+        offset = torch.tensor(start, dtype=torch.long, device=dev)
+        return PackedBatch(ids, None, self.response_ids[rows, :t], self.response_mask[rows, :t],
+                           self.logit_index[rows, :t] + offset[:, None], position_ids=positions,
+                           hidden_row=hidden_row)
+
+
+def pack_rows(lengths: list[int]) -> tuple[list[int], list[int], list[int]]:
+    """Sequences of these lengths in rows as long as the longest (first fit, longest first): each
+    one's row and start, and each row's free tail. The micro-batch planner counts a bin's cost
+    with it (rows x longest), so the packing it plans is the packing that runs."""
+    cap = max(lengths)
+    row_of, start, room = [0] * len(lengths), [0] * len(lengths), []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        at = next((r for r, free in enumerate(room) if free >= lengths[i]), len(room))
+        if at == len(room):
+            room.append(cap)
+        row_of[i], start[i] = at, cap - room[at]
+        room[at] -= lengths[i]
+    return row_of, start, room
+
 
 def pack(prompts: list[np.ndarray], responses: list[np.ndarray], *, pad_id: int,
-         device: torch.device | str = "cpu") -> PackedBatch:
-    """Right-padded tensors of the sequences, built on the host and moved to `device` at once."""
+         device: torch.device | str = "cpu", packing: bool = False) -> PackedBatch:
+    """Right-padded tensors of the sequences, built on the host and moved to `device` at once;
+    `packing`: its `select` concatenates the rows it takes into one packed row."""
     b = len(prompts)
     seq_len = max(len(p) + len(r) for p, r in zip(prompts, responses))
     t = max(1, max(len(r) for r in responses))
@@ -67,7 +114,7 @@ def pack(prompts: list[np.ndarray], responses: list[np.ndarray], *, pad_id: int,
         rmask[i, :n_r] = True
         index[i, :n_r] = torch.arange(n_p - 1, n_p + n_r - 1)
     dev = torch.device(device)
-    return PackedBatch(*(x.to(dev) for x in (ids, attn, resp, rmask, index)))
+    return PackedBatch(*(x.to(dev) for x in (ids, attn, resp, rmask, index)), packing=packing)
 
 
 def pad_per_token(values: list[np.ndarray], like: torch.Tensor) -> torch.Tensor:
@@ -142,9 +189,10 @@ def _head_forward(head: torch.nn.Module, batch: PackedBatch, temperature: float,
     rows, cols = mask.nonzero(as_tuple=True)  # response positions only (of the window)
     targets = batch.response_ids[rows, cols]
     positions = batch.logit_index[rows, cols] - (0 if window is None else window[0])
+    hidden_rows = rows if batch.hidden_row is None else batch.hidden_row[rows]  # packed: the one row
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
-        picked = hidden[rows, positions]  # [N, H]: no padding, no prompt positions
+        picked = hidden[hidden_rows, positions]  # [N, H]: no padding, no prompt positions
         parts = []
         # at least one (maybe empty) chunk: the output stays attached to the hidden states and the
         # head's weight even when no response token is here (an SP rank whose positions are all
@@ -221,7 +269,14 @@ def response_logprobs(model, batch: PackedBatch, *, temperature: float,
 
     window = None
     inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
+    if batch.position_ids is not None:
+        # packed: no 2D mask, so transformers' mask builder reads the sequences off the position
+        # ids (masking_utils.find_packed_sequence_indices; flash-attention: varlen)
+        inputs = {"input_ids": batch.input_ids, "position_ids": batch.position_ids}
     if sp is not None and sp.enabled:
+        if batch.position_ids is not None:
+            raise ValueError("response_logprobs: a packed batch under sequence parallelism is not "
+                             "supported (learner.micro_batch_tokens with sequence_parallel_size > 1)")
         inputs, start, stop = sp.local_inputs(batch.input_ids)
         window = (start, stop)
 

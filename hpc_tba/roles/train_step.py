@@ -41,7 +41,8 @@ class TrainStepMixin:
         """One update on `batch`, or (async) on G x K samples drawn from the buffer shard.
 
         The step's sequences go through the model in micro-batches of at most
-        `learner.micro_batch_size` sequences (0: K), sorted by length, with gradient
+        `learner.micro_batch_size` sequences (0: K), sorted by length, or of at most
+        `learner.micro_batch_tokens` tokens packed into one row each, with gradient
         accumulation and one optimizer step; the update equals the one-batch update for every
         loss (hpc_tba.roles.microbatch states the rule for group statistics).
         """
@@ -50,10 +51,13 @@ class TrainStepMixin:
         if batch is None and self.peers.is_leader:
             batch = self.shard.sample(self.cfg.prompts_per_step, self.k, learner_version=self.step)
         batch = self.peers.share_batch(batch, dev)  # SP/TP peers train on their leader's batch
-        packed = pack(batch.prompt_tokens, batch.response_tokens, pad_id=self.pad_id, device=dev)
+        budget = self.cfg.micro_batch_tokens  # 0: rows of micro_batch_size; else packed bins
+        packed = pack(batch.prompt_tokens, batch.response_tokens, pad_id=self.pad_id, device=dev,
+                      packing=bool(budget))
         lengths = np.array([len(p) + len(r) for p, r in zip(batch.prompt_tokens, batch.response_tokens)])
-        plan = microbatch.agree(microbatch.plan(lengths, batch.group_ids, self.micro),
-                                lambda m: self._reduce(m, op="max"))
+        plan = microbatch.plan_tokens(lengths, batch.group_ids, budget) if budget else \
+            microbatch.plan(lengths, batch.group_ids, self.micro)
+        plan = microbatch.agree(plan, lambda m: self._reduce(m, op="max"))
         rewards = torch.as_tensor(batch.rewards, device=dev)
         groups = torch.as_tensor(batch.group_ids, device=dev)
         zeros = torch.zeros(packed.response_mask.shape, dtype=torch.float32, device=dev)
