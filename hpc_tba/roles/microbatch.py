@@ -111,12 +111,17 @@ def plan_tokens(lengths: np.ndarray, group_ids: np.ndarray, budget: int) -> Micr
     items = [[i] for i in range(lengths.size)] if split else list(groups.values())
     items.sort(key=lambda rows: -int(lengths[rows].sum()))  # stable: ties keep their order
     bins: list[list[int]] = []
+    tokens: list[int] = []  # real tokens per bin: a lower bound of its positions, checked first
     for rows in items:  # first fit: the first bin whose packed rows stay within the budget
-        at = next((b for b, have in enumerate(bins) if packed_positions(lengths[have + rows]) <= budget), None)
+        need = int(lengths[rows].sum())
+        at = next((b for b, have in enumerate(bins) if tokens[b] + need <= budget
+                   and packed_positions(lengths[have + rows]) <= budget), None)
         if at is None:
             bins.append([])
+            tokens.append(0)
             at = len(bins) - 1
         bins[at].extend(rows)
+        tokens[at] += need
     return MicroPlan([np.sort(np.asarray(b, dtype=np.int64)) for b in bins], split=split)
 
 
