@@ -52,7 +52,7 @@ def test_packed_micro_batches_are_planned_and_dry_run_by_their_token_budget():
     assert plan.fits, plan.problems
     assert plan.micro_batch_tokens == 8192 and plan.micro_batch == 8  # 8 sequences of 1024 at most
     text = "\n".join(plan.lines)
-    assert "32 layers x 8192 tokens (learner.micro_batch_tokens: one packed row)" in text
+    assert "32 layers x 8192 tokens (learner.micro_batch_tokens, packed)" in text
     assert "tokens in the largest packed micro-batch (<=)" in text and "MISMATCH" not in text
     padded = make_plan(compose(["+experiment=tba_8b", "learner.micro_batch_size=8"]), DRY)
     assert padded.terms["activations"] == plan.terms["activations"]  # the same tokens, the same bytes

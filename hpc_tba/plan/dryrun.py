@@ -9,8 +9,9 @@ the plan is wrong exactly where it matters. The dry run builds the real model on
   staging slots (`WeightSender` allocates them on the model's device, meta here); with
   out-of-process engines, its held copies (`HeldVersions.alloc`) and, on GPUs, each feed's two
   device pieces (`feeds.device_pieces`);
-- the learner's micro-batch split (`roles.microbatch.plan`) of a worst-case step (G x K sequences
-  of max_model_len tokens) and its packing (`roles.policy.pack`) of each micro-batch;
+- the learner's micro-batch split (`roles.microbatch.plan`, or `plan_tokens` under a token
+  budget) of a worst-case step (G x K sequences of max_model_len tokens) and its packing
+  (`roles.policy.pack`) of each micro-batch;
 - the receiver's staging (`staging_bytes`, `resolve_staging`: auto is stream; nothing out of
   process, where the receiver only decides);
 - out-of-process engines: each worker's receiving buffers (`engine.worker_sync.worker_sync_bytes`
@@ -134,7 +135,7 @@ def _micro_batches(plan: Plan, cfg: RunConfig) -> None:
     shapes = []
     for rows in split.rows:
         batch = pack([prompt] * len(rows), [response] * len(rows), pad_id=0, packing=bool(budget))
-        ids = batch.select(torch.arange(len(rows))).input_ids.to("meta")  # packed: one row of the bin
+        ids = batch.select(torch.arange(len(rows))).input_ids.to("meta")  # packed: the bin's rows
         windows = [sp.local_inputs(ids) for sp in peers]
         stops = [0] + [stop for _, _, stop in windows]
         if [start for _, start, _ in windows] != stops[:-1] or stops[-1] < ids.shape[1]:

@@ -34,7 +34,7 @@ def micro_batch_of(cfg: RunConfig) -> int:
 
 
 def micro_batch_positions(cfg: RunConfig, sp: int) -> int:
-    """Token positions of the largest micro-batch on one rank: the token budget (one packed row),
+    """Token positions of the largest micro-batch on one rank: the token budget (packed rows),
     else micro-batch sequences x this SP rank's share of searcher.max_model_len."""
     if cfg.learner.micro_batch_tokens:
         return cfg.learner.micro_batch_tokens
@@ -104,7 +104,7 @@ def _activations(plan: Plan, cfg: RunConfig, spec: ModelSpec) -> float:
     src = "learner.micro_batch_size" if lr.micro_batch_size else "K (micro_batch_size 0)"
     shape = f"{b} x {seq} tokens ({src}"
     if lr.micro_batch_tokens:
-        shape = f"{lr.micro_batch_tokens} tokens (learner.micro_batch_tokens: one packed row"
+        shape = f"{lr.micro_batch_tokens} tokens (learner.micro_batch_tokens, packed"
     rows = f"{spec.num_layers} layers x {shape}" + (
         f"; {s.max_model_len} / SP {sp})" if sp > 1 else f"; heads and MLP / TP {tp})" if tp > 1 else ")")
     if lr.gradient_checkpointing:

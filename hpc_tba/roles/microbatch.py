@@ -30,11 +30,11 @@ The normaliser is the global one of the step, so the loss is the same function a
 micro-batching. Reported loss and metrics come from one no-grad evaluation on the assembled
 log-probs of the whole step: the values the one-batch step reports.
 
-With a token budget (`plan_tokens`, learner.micro_batch_tokens) the micro-batches are bins of at
-most that many tokens instead, filled longest first (first-fit decreasing): whole prompt groups
-when every group fits a bin, else single sequences (split, as above); each bin then runs as one
-packed row (roles.policy), so no padding is computed. The rules above hold unchanged: only which
-rows go together differs.
+With a token budget (`plan_tokens`, learner.micro_batch_tokens) the micro-batches are bins that
+compute at most that many positions instead, filled longest first (first-fit decreasing): whole
+prompt groups when every group fits a bin, else single sequences (split, as above); each bin runs
+packed, several sequences to a row as long as its longest (roles.policy `pack_rows`), so only the
+rows' tails are padding. The rules above hold unchanged: only which rows go together differs.
 
 Every learner rank must run the same number of forwards (ZeRO-3 gathers parameters in each):
 `agree` makes the count (and whether a context pass runs) the maximum over ranks, splitting the
@@ -71,13 +71,7 @@ def plan(lengths: np.ndarray, group_ids: np.ndarray, micro: int) -> MicroPlan:
     """Micro-batches of at most `micro` rows, sorted by length (module docstring)."""
     if micro < 1:
         raise ValueError(f"micro-batch size must be >= 1, got {micro}")
-    lengths, group_ids = np.asarray(lengths), np.asarray(group_ids)
-    if lengths.shape != group_ids.shape or lengths.ndim != 1 or lengths.size == 0:
-        raise ValueError(f"plan needs equal non-empty [B] lengths and group ids, got "
-                         f"{lengths.shape} and {group_ids.shape}")
-    groups: dict[int, list[int]] = {}
-    for i, g in enumerate(group_ids.tolist()):
-        groups.setdefault(g, []).append(i)
+    lengths, groups = _groups(lengths, group_ids, "plan")
     if max(len(v) for v in groups.values()) <= micro:
         order = sorted(groups.values(), key=lambda rows: -int(lengths[rows].max()))
         out: list[list[int]] = []
@@ -91,22 +85,28 @@ def plan(lengths: np.ndarray, group_ids: np.ndarray, micro: int) -> MicroPlan:
     return MicroPlan([np.sort(order[s: s + micro]) for s in range(0, len(order), micro)], split=True)
 
 
+def _groups(lengths, group_ids, caller: str) -> tuple[np.ndarray, dict[int, list[int]]]:
+    """The lengths as an array and the row indices of each prompt group, in row order."""
+    lengths, group_ids = np.asarray(lengths), np.asarray(group_ids)
+    if lengths.shape != group_ids.shape or lengths.ndim != 1 or lengths.size == 0:
+        raise ValueError(f"{caller} needs equal non-empty [B] lengths and group ids, got "
+                         f"{lengths.shape} and {group_ids.shape}")
+    groups: dict[int, list[int]] = {}
+    for i, g in enumerate(group_ids.tolist()):
+        groups.setdefault(g, []).append(i)
+    return lengths, groups
+
+
 def plan_tokens(lengths: np.ndarray, group_ids: np.ndarray, budget: int) -> MicroPlan:
     """Micro-batches of at most `budget` token positions as they run packed (`packed_positions`:
     rows as long as the bin's longest sequence), bin-packed longest first: whole groups when each
     group fits one bin, else single sequences (module docstring)."""
-    lengths, group_ids = np.asarray(lengths), np.asarray(group_ids)
-    if lengths.shape != group_ids.shape or lengths.ndim != 1 or lengths.size == 0:
-        raise ValueError(f"plan_tokens needs equal non-empty [B] lengths and group ids, got "
-                         f"{lengths.shape} and {group_ids.shape}")
+    lengths, groups = _groups(lengths, group_ids, "plan_tokens")
     if int(lengths.max()) > budget:
         i = int(lengths.argmax())
         raise ValueError(f"a sequence of {int(lengths[i])} tokens (row {i}) exceeds "
                          f"learner.micro_batch_tokens={budget}: raise the budget to at least the longest "
                          "prompt + response (searcher.max_model_len)")
-    groups: dict[int, list[int]] = {}
-    for i, g in enumerate(group_ids.tolist()):
-        groups.setdefault(g, []).append(i)
     split = max(packed_positions(lengths[rows]) for rows in groups.values()) > budget
     items = [[i] for i in range(lengths.size)] if split else list(groups.values())
     items.sort(key=lambda rows: -int(lengths[rows].sum()))  # stable: ties keep their order
