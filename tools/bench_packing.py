@@ -10,7 +10,7 @@ objective. On 2 ZeRO-3 gloo ranks, each the real Learner in a fresh process with
 - padded: `learner.micro_batch_size=M` rows, each padded to its micro-batch's longest sequence
   (sorted by length, as the learner does);
 - packed: `learner.micro_batch_tokens=M x (prompt + max-response)`, the same most tokens a forward
-  may hold, bin-packed into one row per micro-batch.
+  may compute, bin-packed several sequences to a row (rows as long as a bin's longest).
 Both learners start from the same weights; their first step's loss is compared (fp32), then each
 is timed over `--steps` steps on its batch, alternating A B A B in each rank. tokens/s counts the
 batch's real tokens (prompt + response), both ranks together.
@@ -102,7 +102,7 @@ def child(args: dict) -> dict:
                 out[name]["s"] += time.perf_counter() - t0
                 out[name]["micro_batches"] = m["train/micro_batches"]
     tokens = sum(len(p) + len(r) for p, r in zip(batch.prompt_tokens, batch.response_tokens))
-    padded = sum(max_len_of(batch, rows) for rows in padded_rows(batch, micro))
+    padded = sum(padded_positions(batch, rows) for rows in padded_rows(batch, micro))
     return {"tokens": tokens, "padded_positions": padded, **out}
 
 
@@ -115,7 +115,7 @@ def padded_rows(batch, micro: int):
     return microbatch.plan(lengths, batch.group_ids, micro).rows
 
 
-def max_len_of(batch, rows) -> int:
+def padded_positions(batch, rows) -> int:
     """Token positions the padded micro-batch `rows` computes: rows x its longest sequence."""
     return len(rows) * max(len(batch.prompt_tokens[i]) + len(batch.response_tokens[i]) for i in rows)
 
